@@ -1,0 +1,10 @@
+"""mini-infer: a small LLM inference engine for the Qwen2.5 family with vLLM's public names."""
+
+from mini_infer.engine.llm_engine import LLMEngine
+from mini_infer.llm import LLM
+from mini_infer.outputs import CompletionOutput, Logprob, RequestOutput
+from mini_infer.sampling_params import RequestOutputKind, SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "RequestOutputKind"]
+__version__ = "0.1.0"

@@ -1,0 +1,193 @@
+"""Configuration: the model's shape read from a checkpoint's config.json, and every engine knob.
+
+Both are validated once, here, so the rest of the engine can trust them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+                  "float": "float32", "fp64": "float64", "double": "float64"}
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM",)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The Qwen2 network's shape, as the checkpoint's config.json describes it."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    torch_dtype: str | None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"model config not found: {path}")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from e
+        return cls.from_dict(raw, source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config.json") -> ModelConfig:
+        archs = raw.get("architectures") or []
+        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+            raise ValueError(
+                f"{source}: architectures {archs!r} (model_type {raw.get('model_type')!r}) is not supported; "
+                f"mini-infer runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        _reject_unsupported_attention(raw, source)
+
+        def need(key: str):
+            if key not in raw:
+                raise ValueError(f"{source}: required field {key!r} is missing")
+            return raw[key]
+
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise ValueError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        head_dim = int(raw.get("head_dim") or hidden // heads)
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_hidden_layers=int(need("num_hidden_layers")),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            vocab_size=int(need("vocab_size")),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(raw, source),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(need("max_position_embeddings")),
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _rope_theta(raw: dict, source: str) -> float:
+    """rope_theta from either layout: top-level (published Qwen2.5) or rope_parameters (transformers 5)."""
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or {}
+    for where in (params, scaling):
+        rope_type = where.get("rope_type", where.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"{source}: rope type {rope_type!r} is not supported (only default RoPE)")
+    top, nested = raw.get("rope_theta"), params.get("rope_theta")
+    if top is not None and nested is not None and float(top) != float(nested):
+        raise ValueError(f"{source}: rope_theta={top} disagrees with rope_parameters.rope_theta={nested}")
+    theta = top if top is not None else nested
+    if theta is None:
+        raise ValueError(f"{source}: rope_theta is missing (neither top-level nor in rope_parameters)")
+    return float(theta)
+
+
+def _reject_unsupported_attention(raw: dict, source: str) -> None:
+    layer_types = raw.get("layer_types") or []
+    if raw.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
+        raise ValueError(f"{source}: sliding-window attention layers are not supported")
+
+
+def resolve_dtype(dtype: str | torch.dtype, model_config: ModelConfig) -> torch.dtype:
+    """`auto` takes the checkpoint's dtype (float32 when it names none)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype={dtype} is not supported; choose auto or one of {', '.join(DTYPES)}")
+        return dtype
+    name = _DTYPE_ALIASES.get(dtype, dtype)
+    if name == "auto":
+        name = _DTYPE_ALIASES.get(model_config.torch_dtype or "float32", model_config.torch_dtype or "float32")
+    if name not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; choose auto or one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Every engine knob, validated once at construction."""
+
+    model: str
+    dtype: str | torch.dtype = "auto"
+    device: str = "cpu"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float = 2.0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    seed: int = 0
+    model_config: ModelConfig = field(init=False)
+    torch_dtype: torch.dtype = field(init=False)
+
+    def __post_init__(self) -> None:
+        model_dir = Path(self.model)
+        if not model_dir.is_dir():
+            raise FileNotFoundError(f"model directory not found: {model_dir}")
+        self.model_config = ModelConfig.from_dir(model_dir)
+        _positive("block_size", self.block_size)
+        _positive("max_num_seqs", self.max_num_seqs)
+        if self.num_kv_blocks is not None:
+            _positive("num_kv_blocks", self.num_kv_blocks)
+        if not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        limit = self.model_config.max_position_embeddings
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        elif not 1 <= self.max_model_len <= limit:
+            raise ValueError(f"max_model_len must be in [1, {limit}] (the model's max_position_embeddings), "
+                             f"got {self.max_model_len}")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = max(self.max_model_len, 2048)
+        # Without chunked prefill a whole prompt (or a preempted request's recompute) is one step.
+        if self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                             f"({self.max_model_len}): a whole prompt is prefilled in one step")
+        self.torch_dtype = resolve_dtype(self.dtype, self.model_config)
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return math.ceil(self.max_model_len / self.block_size)
+
+    def kv_bytes_per_block(self) -> int:
+        mc = self.model_config
+        per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim
+        return per_token * self.block_size * self.torch_dtype.itemsize
+
+    def resolved_num_kv_blocks(self) -> int:
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        budget = int(self.kv_cache_memory_gb * 2**30) // self.kv_bytes_per_block()
+        # Never reserve more than every sequence slot could use at full length.
+        return max(1, min(budget, self.max_num_seqs * self.max_blocks_per_seq))
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

@@ -1,0 +1,70 @@
+"""Incremental detokenization and stop strings, plus loading a model directory's tokenizer.
+
+Each step decodes only a short window of the newest tokens; text is released once it no longer ends in
+an incomplete UTF-8 sequence (a multi-byte character split across tokens), and, while stop strings are
+set, the last few characters are held back because they may be the start of a stop string.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mini_infer.sampling_params import SamplingParams
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+
+
+def load_tokenizer(model_dir: Path):
+    """The directory's HF tokenizer, or None when it ships no tokenizer files (token-id prompts only)."""
+    if not any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer  # tokenization only; no modeling code is imported
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = params.skip_special_tokens
+        self.stop_strings = params.stop_strings
+        self.include_stop = params.include_stop_str_in_output
+        longest = max((len(s) for s in self.stop_strings), default=0)
+        self.holdback = 0 if self.include_stop else max(longest - 1, 0)
+        self.output_text = ""
+        self.prefix_offset = 0  # start of the window decoded for context
+        self.read_offset = 0  # tokens before this are already text
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+
+    def update(self, token_ids: list[int], *, flush: bool = False) -> int:
+        """Append the text that `token_ids` (all output ids so far) newly complete; returns its length.
+
+        With `flush`, an incomplete trailing character is released as U+FFFD (the request is finishing).
+        """
+        prefix = self._decode(token_ids[self.prefix_offset: self.read_offset])
+        full = self._decode(token_ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not flush):
+            return 0
+        new_text = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
+        self.output_text += new_text
+        return len(new_text)
+
+    def find_stop(self, num_new_chars: int) -> str | None:
+        """The first stop string that the newest characters complete; cuts the text there."""
+        if not self.stop_strings or not num_new_chars:
+            return None
+        search_from = max(0, len(self.output_text) - num_new_chars - (max(map(len, self.stop_strings)) - 1))
+        hits = [(i, s) for s in self.stop_strings if (i := self.output_text.find(s, search_from)) >= 0]
+        if not hits:
+            return None
+        index, stop = min(hits)
+        self.output_text = self.output_text[: index + (len(stop) if self.include_stop else 0)]
+        return stop
+
+    def visible_text(self, finished: bool) -> str:
+        if finished or not self.holdback:
+            return self.output_text
+        return self.output_text[: max(0, len(self.output_text) - self.holdback)]

@@ -1,0 +1,236 @@
+"""LLMEngine: add_request / step / abort_request over the scheduler, the model runner and detokenization.
+
+Bad requests are refused by add_request with a ValueError naming the field and its allowed range; nothing
+of them reaches the scheduler, so the engine keeps serving everything else.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from mini_infer.config import EngineConfig
+from mini_infer.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
+from mini_infer.engine.kv_cache import KVCacheManager
+from mini_infer.engine.request import Request, RequestStatus
+from mini_infer.engine.scheduler import Scheduler
+from mini_infer.outputs import CompletionOutput, Logprob, RequestOutput
+from mini_infer.runner.model_runner import ModelRunner
+from mini_infer.sampling_params import RequestOutputKind, SamplingParams
+
+# Prompt forms: text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...} dicts.
+PromptType = str | list[int] | dict
+
+_GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_dir = Path(config.model)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.generation_config = _read_generation_config(model_dir)
+        self.eos_token_ids = self._eos_token_ids()
+        num_blocks = config.resolved_num_kv_blocks()
+        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.max_num_seqs, config.max_blocks_per_seq)
+        self.scheduler = Scheduler(self.kv_cache, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens)
+        self.runner = ModelRunner(config, self.kv_cache)
+        self.requests: dict[str, Request] = {}
+        self._aborted_outputs: list[RequestOutput] = []
+
+    @classmethod
+    def from_args(cls, model: str, **kwargs) -> LLMEngine:
+        return cls(EngineConfig(model=model, **kwargs))
+
+    def _eos_token_ids(self) -> frozenset[int]:
+        ids = set(self.config.model_config.eos_token_ids)
+        eos = self.generation_config.get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the sampling defaults of the model's generation_config.json, as vLLM does."""
+        overrides = {ours: self.generation_config[theirs] for theirs, ours in _GENERATION_CONFIG_KEYS.items()
+                     if self.generation_config.get(theirs) is not None}
+        return SamplingParams(**overrides)
+
+    # ---- requests in ----
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+        params = params if params is not None else self.default_sampling_params()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        text, token_ids = self._tokenize(prompt)
+        max_tokens = self._check_lengths(len(token_ids), params)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params) if self.tokenizer is not None else None
+        if params.stop_strings and detokenizer is None:
+            raise ValueError("SamplingParams.stop needs a tokenizer; this model directory has none")
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        request = Request(
+            request_id=request_id, prompt=text, prompt_token_ids=token_ids, params=params, max_tokens=max_tokens,
+            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+            detokenizer=detokenizer, generator=generator,
+        )
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs a 'prompt' or a 'prompt_token_ids' key")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"text prompts need a tokenizer and {self.config.model} has no tokenizer files; "
+                                 "pass token ids instead")
+            text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+        elif isinstance(prompt, (list, tuple)):
+            text, token_ids = None, list(prompt)
+        else:
+            raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("prompt is empty: it must have at least one token")
+        vocab = self.config.model_config.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+            raise ValueError("prompt token ids must be integers")
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            bad = next(t for t in token_ids if not 0 <= t < vocab)
+            raise ValueError(f"prompt token id {bad} is out of range: token ids must be in [0, {vocab - 1}]")
+        return text, token_ids
+
+    def _check_lengths(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        max_len = self.config.max_model_len
+        if num_prompt_tokens >= max_len:
+            raise ValueError(f"prompt has {num_prompt_tokens} tokens; max_model_len is {max_len}, which leaves "
+                             "no room to generate (prompt length must be < max_model_len)")
+        max_tokens = params.max_tokens if params.max_tokens is not None else max_len - num_prompt_tokens
+        if num_prompt_tokens + max_tokens > max_len:
+            raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+                             f"{num_prompt_tokens + max_tokens} exceeds max_model_len ({max_len})")
+        blocks = self.kv_cache.blocks_for(num_prompt_tokens + max_tokens)
+        if blocks > self.kv_cache.num_blocks:
+            raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs {blocks} KV "
+                             f"blocks but the whole cache has {self.kv_cache.num_blocks} "
+                             f"(block_size {self.kv_cache.block_size})")
+        return max_tokens
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Abort unfinished requests (unknown or finished ids are ignored); their blocks return at once and
+        the next step() reports each with finish_reason "abort"."""
+        for rid in [request_id] if isinstance(request_id, str) else list(request_id):
+            request = self.requests.pop(rid, None)
+            if request is not None:
+                self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+                self._aborted_outputs.append(_make_output(request))
+
+    # ---- the loop ----
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled forward; return the outputs of the requests it advanced (and of aborted ones)."""
+        outputs, self._aborted_outputs = self._aborted_outputs, []
+        scheduled = self.scheduler.schedule()
+        if not scheduled.requests:
+            return outputs
+        sampled = self.runner.execute(scheduled)
+        for request, num_new, token_id, logprobs in zip(scheduled.requests, scheduled.num_new_tokens,
+                                                         sampled.token_ids, sampled.logprobs):
+            request.num_computed_tokens += num_new
+            self._append_token(request, token_id, logprobs)
+            if request.finished:
+                self.scheduler.finish(request, request.status)
+                del self.requests[request.request_id]
+            output = _make_output(request)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _append_token(self, request: Request, token_id: int, logprobs) -> None:
+        request.output_token_ids.append(token_id)
+        if logprobs is not None:
+            self._record_logprobs(request, token_id, logprobs)
+        status, reason = self._stop_status(request, token_id)
+        if request.detokenizer is not None:
+            finishing = status is not None
+            num_new_chars = request.detokenizer.update(request.output_token_ids, flush=finishing)
+            may_stop = request.num_output_tokens >= request.params.min_tokens
+            stop_string = request.detokenizer.find_stop(num_new_chars) if may_stop else None
+            if stop_string is not None:
+                status, reason = RequestStatus.FINISHED_STOPPED, stop_string
+        if status is not None:
+            request.status, request.stop_reason = status, reason
+
+    def _stop_status(self, request: Request, token_id: int) -> tuple[RequestStatus | None, int | str | None]:
+        if request.num_output_tokens >= request.params.min_tokens:
+            if token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED, None
+            if token_id in request.params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED, token_id
+        if request.num_output_tokens >= request.max_tokens:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None, None
+
+    def _record_logprobs(self, request: Request, token_id: int, logprobs) -> None:
+        logprob, rank, top_ids, top_values = logprobs
+        entry = {token_id: Logprob(logprob, rank, self._decode_token(token_id))}
+        for i, (tid, value) in enumerate(zip(top_ids, top_values)):
+            entry.setdefault(tid, Logprob(value, i + 1, self._decode_token(tid)))
+        request.logprobs.append(entry)
+        request.cumulative_logprob += logprob
+
+    def _decode_token(self, token_id: int) -> str | None:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
+
+    # ---- state ----
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def kv_cache_usage(self) -> float:
+        return self.kv_cache.usage()
+
+
+def _make_output(request: Request) -> RequestOutput | None:
+    kind = request.params.output_kind
+    if kind is RequestOutputKind.FINAL_ONLY and not request.finished:
+        return None
+    text, token_ids, logprobs = request.text, request.output_token_ids, request.logprobs
+    if kind is RequestOutputKind.DELTA:
+        text = text[request.num_emitted_chars:]
+        token_ids = token_ids[request.num_emitted_tokens:]
+        logprobs = logprobs[request.num_emitted_tokens:] if logprobs is not None else None
+    request.num_emitted_chars = len(request.text)
+    request.num_emitted_tokens = request.num_output_tokens
+    completion = CompletionOutput(
+        index=0, text=text, token_ids=list(token_ids), cumulative_logprob=request.cumulative_logprob,
+        logprobs=list(logprobs) if logprobs is not None else None,
+        finish_reason=request.status.value if request.finished else None, stop_reason=request.stop_reason,
+    )
+    return RequestOutput(request_id=request.request_id, prompt=request.prompt,
+                         prompt_token_ids=request.prompt_token_ids, outputs=[completion], finished=request.finished)
+
+
+def _read_generation_config(model_dir: Path) -> dict:
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e

@@ -1,0 +1,78 @@
+"""Request: one prompt's state as it flows through scheduler, runner and detokenizer."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from mini_infer.engine.detokenizer import IncrementalDetokenizer
+from mini_infer.outputs import Logprob
+from mini_infer.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # params.max_tokens, or what max_model_len leaves when that is None
+    eos_token_ids: frozenset[int]  # empty when params.ignore_eos
+    detokenizer: IncrementalDetokenizer | None
+    generator: torch.Generator | None = None  # set when params.seed is given
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    # What the last RequestOutput already carried (for DELTA outputs).
+    num_emitted_tokens: int = 0
+    num_emitted_chars: int = 0
+
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None:
+            self.logprobs, self.cumulative_logprob = [], 0.0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.visible_text(self.status.finished) if self.detokenizer else ""
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished

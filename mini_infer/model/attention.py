@@ -1,0 +1,77 @@
+"""Paged attention in plain PyTorch: write each new token's K/V into its cache slot, then attend over
+each request's context read from the cache through its block table.
+
+The cache of one layer is a [num_blocks, block_size, kv_heads, head_dim] tensor for K and one for V; a slot
+is `block_id * block_size + offset`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """How one step's flat batch of tokens maps onto requests and cache slots."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] block ids per request (padding: any valid id)
+    context_lens: torch.Tensor  # [num_reqs] tokens in the cache after this step, per request
+    query_start_loc: list[int]  # num_reqs + 1 offsets of each request's tokens in the flat batch
+    context_lens_host: list[int]  # context_lens as Python ints (prefill walks requests one by one)
+    max_query_len: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.context_lens_host)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store new K/V ([num_tokens, kv_heads, head_dim]) at their slots, in place."""
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata) -> torch.Tensor:
+    """q: [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim], causal over each request's context."""
+    if meta.max_query_len == 1:
+        return _decode_attention(q, k_cache, v_cache, meta)
+    return _prefill_attention(q, k_cache, v_cache, meta)
+
+
+def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    """One query per request, all requests in one batched call."""
+    num_reqs, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    group = heads // kv_heads
+    keys = k_cache[meta.block_tables].view(num_reqs, -1, kv_heads, head_dim).transpose(1, 2)
+    values = v_cache[meta.block_tables].view(num_reqs, -1, kv_heads, head_dim).transpose(1, 2)
+    positions = torch.arange(keys.shape[2], device=q.device)
+    mask = (positions[None, :] < meta.context_lens[:, None]).view(num_reqs, 1, 1, -1)
+    # Query head h reads KV head h // group: fold each KV head's query group into the query axis.
+    out = F.scaled_dot_product_attention(q.view(num_reqs, kv_heads, group, head_dim), keys, values, attn_mask=mask)
+    return out.reshape(num_reqs, heads, head_dim)
+
+
+def _prefill_attention(q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    """Requests one by one (O(batch) host work), each causal over the context it just wrote."""
+    _, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    out = torch.empty_like(q)
+    for i in range(meta.num_reqs):
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        context_len = meta.context_lens_host[i]
+        # A prefill computes a request's whole context (no cached prefix yet), so causal masking is plain.
+        assert end - start == context_len, "prefill with an already-cached prefix is not supported"
+        blocks = meta.block_tables[i, : (context_len + block_size - 1) // block_size]
+        keys = k_cache[blocks].view(-1, kv_heads, head_dim)[:context_len].transpose(0, 1)
+        values = v_cache[blocks].view(-1, kv_heads, head_dim)[:context_len].transpose(0, 1)
+        out[start:end] = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1), keys, values, is_causal=True, enable_gqa=heads != kv_heads
+        ).transpose(0, 1)
+    return out

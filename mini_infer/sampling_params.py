@@ -1,0 +1,96 @@
+"""SamplingParams: a request's sampling and stopping knobs (vLLM's names and meanings), validated on creation."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+
+_GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(Enum):
+    CUMULATIVE = 0  # every output carries the whole text and token ids so far
+    DELTA = 1  # every output carries only what is new since the previous one
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    stop_strings: list[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    def _validate(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value), name, "must be a finite number", value)
+        if self.n != 1:
+            raise ValueError(f"n must be 1 (parallel sampling is not supported yet), got {self.n}")
+        _check(self.temperature >= 0, "temperature", "must be >= 0", self.temperature)
+        _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
+        _check(_is_int(self.top_k) and (self.top_k >= -1), "top_k",
+               "must be -1 or 0 (off) or an integer >= 1", self.top_k)
+        _check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
+        _check(self.repetition_penalty > 0, "repetition_penalty", "must be > 0", self.repetition_penalty)
+        _check(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]", self.presence_penalty)
+        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]", self.frequency_penalty)
+        _check(self.seed is None or _is_int(self.seed), "seed", "must be an integer or None", self.seed)
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+               "max_tokens", "must be an integer >= 1 (or None: up to max_model_len)", self.max_tokens)
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be an integer >= 0",
+               self.min_tokens)
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens", f"must be <= max_tokens ({self.max_tokens})",
+                   self.min_tokens)
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+               "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None", self.logprobs)
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               "must be non-negative integers", self.stop_token_ids)
+        _check(all(isinstance(s, str) and s for s in self.stop_strings), "stop", "must be non-empty strings",
+               self.stop)
+        _check(isinstance(self.output_kind, RequestOutputKind), "output_kind", "must be a RequestOutputKind",
+               self.output_kind)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check(ok: bool, name: str, rule: str, value) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name} {rule}, got {value!r}")
