@@ -1,0 +1,260 @@
+"""Random-weight Qwen2.5-architecture checkpoints in Hugging Face format.
+
+Owns the model presets, both config.json layouts, the weight generator and the default model dir.
+"""
+
+import copy
+import errno
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from mini_infer.factory.tokenizer import cache_dir, write_tokenizer
+
+_QWEN25_05B = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "hidden_act": "silu",
+    "hidden_size": 896,
+    "initializer_range": 0.02,
+    "intermediate_size": 4864,
+    "max_position_embeddings": 32768,
+    "max_window_layers": 21,
+    "model_type": "qwen2",
+    "num_attention_heads": 14,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-6,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "sliding_window": 32768,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+# Configs in the published layout. "tiny" keeps the real vocabulary so the real tokenizer fits it.
+PRESETS: dict[str, dict] = {
+    "qwen2.5-0.5b": _QWEN25_05B,
+    "tiny": {
+        **_QWEN25_05B,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+        "max_window_layers": 2,
+        "sliding_window": 4096,
+    },
+}
+
+LAYOUTS = ("published", "transformers5")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+# Qwen2.5-0.5B-Instruct's generation_config.json.
+GENERATION_CONFIG = {
+    "bos_token_id": 151643,
+    "pad_token_id": 151643,
+    "do_sample": True,
+    "eos_token_id": [151645, 151643],
+    "repetition_penalty": 1.1,
+    "temperature": 0.7,
+    "top_p": 0.8,
+    "top_k": 20,
+}
+
+BIAS_STD = 0.02
+NORM_STD = 0.1
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def _transformers5_layout(config: dict) -> dict:
+    converted = {key: value for key, value in config.items() if key not in ("rope_theta", "rope_scaling")}
+    scaling = config.get("rope_scaling")
+    if scaling is None:
+        converted["rope_parameters"] = {"rope_theta": config["rope_theta"], "rope_type": "default"}
+    else:
+        rope_type = scaling.get("rope_type", scaling.get("type"))
+        converted["rope_parameters"] = {**scaling, "rope_type": rope_type, "rope_theta": config["rope_theta"]}
+    converted["dtype"] = converted.pop("torch_dtype")
+    converted["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
+    # transformers 5 drops the window size when sliding-window attention is off.
+    if not config.get("use_sliding_window", False):
+        converted["sliding_window"] = None
+    return converted
+
+
+def write_config(out_dir: str | os.PathLike, config: dict, layout: str = "published") -> None:
+    """Write config.json from a published-layout config dict, in the given file layout.
+
+    "published" matches released Qwen2.5 checkpoints (top-level rope_theta, torch_dtype);
+    "transformers5" matches what transformers 5.x saves (rope_parameters, dtype, layer_types).
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    data = config if layout == "published" else _transformers5_layout(config)
+    _write_json(Path(out_dir) / "config.json", dict(sorted(data.items())))
+
+
+def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """HF tensor names and shapes of a Qwen2 causal LM with this (published-layout) config."""
+    hidden = config["hidden_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q_size = config["num_attention_heads"] * head_dim
+    kv_size = config["num_key_value_heads"] * head_dim
+    intermediate = config["intermediate_size"]
+    shapes = {"model.embed_tokens.weight": (config["vocab_size"], hidden)}
+    for i in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{i}"
+        shapes |= {
+            f"{prefix}.self_attn.q_proj.weight": (q_size, hidden),
+            f"{prefix}.self_attn.q_proj.bias": (q_size,),
+            f"{prefix}.self_attn.k_proj.weight": (kv_size, hidden),
+            f"{prefix}.self_attn.k_proj.bias": (kv_size,),
+            f"{prefix}.self_attn.v_proj.weight": (kv_size, hidden),
+            f"{prefix}.self_attn.v_proj.bias": (kv_size,),
+            f"{prefix}.self_attn.o_proj.weight": (hidden, q_size),
+            f"{prefix}.mlp.gate_proj.weight": (intermediate, hidden),
+            f"{prefix}.mlp.up_proj.weight": (intermediate, hidden),
+            f"{prefix}.mlp.down_proj.weight": (hidden, intermediate),
+            f"{prefix}.input_layernorm.weight": (hidden,),
+            f"{prefix}.post_attention_layernorm.weight": (hidden,),
+        }
+    shapes["model.norm.weight"] = (hidden,)
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (config["vocab_size"], hidden)
+    return shapes
+
+
+def parameter_count(config: dict) -> int:
+    return sum(math.prod(shape) for shape in tensor_shapes(config).values())
+
+
+def _tensor_generator(seed: int, name: str) -> torch.Generator:
+    # One stream per tensor: values do not depend on generation order, so tensors can be
+    # sampled in parallel, and a shape override leaves every other tensor unchanged.
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+
+
+def _init_mean_std(name: str, config: dict) -> tuple[float, float]:
+    if name.endswith("norm.weight"):
+        return 1.0, NORM_STD
+    if name.endswith(".bias"):
+        return 0.0, BIAS_STD
+    return 0.0, config["initializer_range"]
+
+
+def random_weights(config: dict, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Deterministic random tensors; biases and norm weights are perturbed too, so a loader that
+    drops them (zeros, ones) produces visibly different outputs."""
+
+    def sample(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        mean, std = _init_mean_std(name, config)
+        # Sampled straight in the target dtype: no fp32 copy of the 0.5B model is ever alive.
+        return torch.empty(shape, dtype=dtype).normal_(mean, std, generator=_tensor_generator(seed, name))
+
+    shapes = tensor_shapes(config)
+    # torch's CPU sampler is single-threaded but releases the GIL, so threads scale with cores.
+    with ThreadPoolExecutor(max_workers=torch.get_num_threads()) as pool:
+        tensors = pool.map(sample, shapes.keys(), shapes.values())
+        return dict(zip(shapes.keys(), tensors))
+
+
+def _check_out_dir_free(out_dir: Path) -> None:
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ValueError(f"out_dir {out_dir} already exists and is not empty")
+
+
+def _rename_into_place(staging: Path, out_dir: Path) -> None:
+    try:
+        os.rename(staging, out_dir)
+    except OSError as error:
+        # Raced with another writer that filled out_dir after our up-front check.
+        if error.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            raise ValueError(f"out_dir {out_dir} already exists and is not empty") from error
+        raise
+
+
+def make_model(
+    preset: str,
+    out_dir: str | os.PathLike,
+    *,
+    seed: int = 0,
+    dtype: str = "bfloat16",
+    layout: str = "published",
+    overrides: dict | None = None,
+) -> Path:
+    """Write a random-weight checkpoint (config, generation config, weights, tokenizer) to out_dir.
+
+    Files are written to a temp dir beside out_dir and renamed into place, so out_dir either
+    does not exist or holds a complete model.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    out_dir = Path(out_dir)
+    _check_out_dir_free(out_dir)
+    config = copy.deepcopy(PRESETS[preset]) | (overrides or {}) | {"torch_dtype": dtype}
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.partial-"))
+    try:
+        write_config(staging, config, layout)
+        _write_json(staging / "generation_config.json", GENERATION_CONFIG)
+        weights = random_weights(config, seed, DTYPES[dtype])
+        save_file(weights, staging / "model.safetensors", metadata={"format": "pt"})
+        (staging / "model.safetensors").chmod(0o644)  # safetensors creates it owner-only
+        del weights  # ~1 GB for the 0.5B preset; free it before the tokenizer copy
+        write_tokenizer(staging)
+        staging.chmod(0o755)  # mkdtemp creates it owner-only
+        _rename_into_place(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def default_model_dir() -> Path:
+    return cache_dir() / "models" / "qwen2.5-0.5b-random"
+
+
+def _print_to_stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def ensure_default_model(log: Callable[[str], None] = _print_to_stderr) -> Path:
+    """The random-weight Qwen2.5-0.5B checkpoint in the cache, written on first use."""
+    path = default_model_dir()
+    # make_model renames a finished dir into place, so config.json means the model is complete.
+    if (path / "config.json").is_file():
+        return path
+    log(f"mini-infer: writing a Qwen2.5-0.5B checkpoint with RANDOM weights to {path} (first use only)")
+    try:
+        make_model("qwen2.5-0.5b", path)
+    except ValueError:
+        # Another process finished writing it first.
+        if not (path / "config.json").is_file():
+            raise
+    return path

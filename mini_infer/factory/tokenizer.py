@@ -1,0 +1,196 @@
+"""The real Qwen2.5 tokenizer, rebuilt offline from the BPE ranks shipped in the `dashscope` package.
+
+Owns the conversion to a Hugging Face tokenizer.json, its on-disk cache, and tokenizer_config.json.
+"""
+
+import base64
+import hashlib
+import importlib.util
+import json
+import os
+import tempfile
+from pathlib import Path
+
+# Bump when the built tokenizer.json changes, so stale cache entries are not reused.
+BUILDER_VERSION = "qwen2.5-tokenizer-v1"
+
+# Qwen's pre-tokenizer: like cl100k's, but digits are split one at a time.
+PRETOKENIZE_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+FIRST_ADDED_TOKEN_ID = 151643
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+# Added as plain (non-special) tokens, so decode(skip_special_tokens=True) keeps them.
+CONTROL_TOKENS = [
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+]
+ADDED_TOKENS = SPECIAL_TOKENS + CONTROL_TOKENS
+
+DEFAULT_SYSTEM_PROMPT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+
+# Renders Qwen2.5-Instruct's ChatML for plain role/content messages. Tool definitions and tool
+# calls are out of scope for mini-infer, so this template does not render them.
+CHAT_TEMPLATE = (
+    "{%- if not messages or messages[0]['role'] != 'system' -%}"
+    "{{- '<|im_start|>system\\n" + DEFAULT_SYSTEM_PROMPT + "<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' ~ message['role'] ~ '\\n' ~ message['content'] ~ '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- endif -%}"
+)
+
+
+def cache_dir() -> Path:
+    """Where mini-infer keeps built artifacts: $MINI_INFER_CACHE, else the XDG cache dir."""
+    if explicit := os.environ.get("MINI_INFER_CACHE"):
+        return Path(explicit)
+    if xdg := os.environ.get("XDG_CACHE_HOME"):
+        return Path(xdg) / "mini-infer"
+    return Path.home() / ".cache" / "mini-infer"
+
+
+def qwen_vocab_path() -> Path:
+    # find_spec does not import dashscope itself, which would pull in its HTTP client stack.
+    spec = importlib.util.find_spec("dashscope")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(
+            "the Qwen2.5 vocabulary comes from the PyPI package 'dashscope'; "
+            "install it with `pip install dashscope`",
+            name="dashscope",
+        )
+    for location in spec.submodule_search_locations:
+        path = Path(location) / "resources" / "qwen.tiktoken"
+        if path.is_file():
+            return path
+    raise ImportError("the installed 'dashscope' package has no resources/qwen.tiktoken", name="dashscope")
+
+
+def _load_ranks(path: Path) -> dict[bytes, int]:
+    ranks = {}
+    for line in path.read_bytes().splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+def _build_tokenizer_json(vocab_path: Path) -> str:
+    import tiktoken
+    from tokenizers import AddedToken, Tokenizer, normalizers
+    from transformers.integrations.tiktoken import convert_tiktoken_to_fast
+
+    encoding = tiktoken.Encoding(
+        name="qwen2.5",
+        pat_str=PRETOKENIZE_PATTERN,
+        mergeable_ranks=_load_ranks(vocab_path),
+        special_tokens={},
+    )
+    with tempfile.TemporaryDirectory() as scratch:
+        # The converter also dumps a tiktoken/ copy of the ranks; only tokenizer.json is kept.
+        convert_tiktoken_to_fast(encoding, scratch)
+        tokenizer = Tokenizer.from_file(str(Path(scratch) / "tokenizer.json"))
+
+    tokenizer.normalizer = normalizers.NFC()
+    # Published Qwen2.5 tokenizer.json runs full BPE merges rather than whole-word vocab lookups.
+    tokenizer.model.ignore_merges = False
+    for content in ADDED_TOKENS:
+        special = content in SPECIAL_TOKENS
+        token = AddedToken(content, special=special, normalized=False)
+        if special:
+            tokenizer.add_special_tokens([token])
+        else:
+            tokenizer.add_tokens([token])
+    ids = [tokenizer.token_to_id(content) for content in ADDED_TOKENS]
+    expected = list(range(FIRST_ADDED_TOKEN_ID, FIRST_ADDED_TOKEN_ID + len(ADDED_TOKENS)))
+    assert ids == expected, f"added tokens got ids {ids}, expected {expected}"
+    return tokenizer.to_str(pretty=True)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp_name, 0o644)  # mkstemp creates it owner-only
+        os.replace(tmp_name, path)
+    except BaseException:
+        os.unlink(tmp_name)
+        raise
+
+
+def cached_tokenizer_json() -> Path:
+    """Path of the built tokenizer.json, converting the vocabulary on first use (~4 s)."""
+    vocab_path = qwen_vocab_path()
+    digest = hashlib.sha256(vocab_path.read_bytes())
+    digest.update(BUILDER_VERSION.encode())
+    path = cache_dir() / "tokenizers" / f"qwen2.5-{digest.hexdigest()[:16]}.json"
+    if not path.is_file():
+        _atomic_write_text(path, _build_tokenizer_json(vocab_path))
+    return path
+
+
+def tokenizer_config() -> dict:
+    """tokenizer_config.json contents matching Qwen2.5-Instruct's, with our own chat template."""
+    added_tokens_decoder = {
+        str(FIRST_ADDED_TOKEN_ID + offset): {
+            "content": content,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": content in SPECIAL_TOKENS,
+        }
+        for offset, content in enumerate(ADDED_TOKENS)
+    }
+    return {
+        "add_prefix_space": False,
+        "added_tokens_decoder": added_tokens_decoder,
+        "additional_special_tokens": SPECIAL_TOKENS[1:],
+        "bos_token": None,
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>",
+        "errors": "replace",
+        "model_max_length": 131072,
+        "pad_token": "<|endoftext|>",
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None,
+    }
+
+
+def write_tokenizer(out_dir: str | os.PathLike) -> None:
+    """Write tokenizer.json and tokenizer_config.json for the Qwen2.5 tokenizer into out_dir."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "tokenizer.json").write_bytes(cached_tokenizer_json().read_bytes())
+    config_text = json.dumps(tokenizer_config(), indent=2, ensure_ascii=False) + "\n"
+    (out_dir / "tokenizer_config.json").write_text(config_text, encoding="utf-8")
