@@ -11,16 +11,15 @@ from pathlib import Path
 
 from mini_infer.sampling_params import SamplingParams
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
-
-
 def load_tokenizer(model_dir: Path):
-    """The directory's HF tokenizer, or None when it ships no tokenizer files (token-id prompts only)."""
-    if not any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
+    """The directory's fast tokenizer (tokenizer.json plus tokenizer_config.json for special tokens and the
+    chat template), or None when it has no tokenizer.json: such a model serves token-id prompts only."""
+    if not (model_dir / "tokenizer.json").is_file():
         return None
-    from transformers import AutoTokenizer  # tokenization only; no modeling code is imported
+    # The tokenizer class alone: no auto mappings, no modeling code.
+    from transformers import PreTrainedTokenizerFast
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
 
 
 class IncrementalDetokenizer:

@@ -95,7 +95,7 @@ class LLMEngine:
                 raise ValueError("a dict prompt needs a 'prompt' or a 'prompt_token_ids' key")
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"text prompts need a tokenizer and {self.config.model} has no tokenizer files; "
+                raise ValueError(f"text prompts need a tokenizer and {self.config.model} has no tokenizer.json; "
                                  "pass token ids instead")
             text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
         elif isinstance(prompt, (list, tuple)):

@@ -1,0 +1,129 @@
+"""The `mini-infer` command: `make-model` writes a random-weight checkpoint, `generate` streams a completion."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+_SAMPLING_FLAGS = {  # flag -> (type, SamplingParams field)
+    "--temperature": (float, "temperature"),
+    "--top-p": (float, "top_p"),
+    "--top-k": (int, "top_k"),
+    "--min-p": (float, "min_p"),
+    "--repetition-penalty": (float, "repetition_penalty"),
+    "--presence-penalty": (float, "presence_penalty"),
+    "--frequency-penalty": (float, "frequency_penalty"),
+    "--seed": (int, "seed"),
+    "--min-tokens": (int, "min_tokens"),
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="local HF-format model directory (default: the random-weight qwen2.5-0.5b preset, "
+                             "generated once into the cache)")
+    parser.add_argument("--dtype", default="auto", help="auto, bfloat16, float16, float32 or float64")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(dtype=args.dtype, device=args.device, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len)
+
+
+def resolve_model(model: str | None) -> str:
+    from mini_infer.factory import ensure_default_model
+
+    return model if model is not None else str(ensure_default_model())
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    from mini_infer.factory import PRESETS
+
+    parser = argparse.ArgumentParser(prog="mini-infer", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    make = commands.add_parser("make-model", help="write a Qwen2.5-architecture checkpoint with random weights")
+    make.add_argument("--preset", choices=sorted(PRESETS), required=True)
+    make.add_argument("--out", required=True, help="output directory")
+    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+
+    gen = commands.add_parser("generate", help="stream a completion for one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="render the prompt as a user turn of the chat template")
+    gen.add_argument("--system", default=None, help="system message (with --chat)")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    for flag, (kind, _) in _SAMPLING_FLAGS.items():
+        gen.add_argument(flag, type=kind, default=None, help="default: the model's generation_config.json")
+    add_engine_args(gen)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    try:
+        if args.command == "make-model":
+            return _make_model(args)
+        return _generate(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"mini-infer: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _make_model(args) -> int:
+    from mini_infer.factory import make_model
+
+    path = make_model(args.preset, args.out, seed=args.seed, dtype=args.dtype)
+    print(f"wrote the {args.preset} preset with random weights (seed {args.seed}, {args.dtype}) to {path}")
+    return 0
+
+
+def _generate(args) -> int:
+    from dataclasses import replace
+
+    from mini_infer import LLMEngine, RequestOutputKind
+
+    engine = LLMEngine.from_args(resolve_model(args.model), **engine_kwargs(args))
+    chosen = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (_, field) in _SAMPLING_FLAGS.items()}
+    chosen = {k: v for k, v in chosen.items() if v is not None}
+    params = replace(engine.default_sampling_params(), **chosen, max_tokens=args.max_tokens,
+                     ignore_eos=args.ignore_eos, stop=args.stop, output_kind=RequestOutputKind.DELTA)
+    prompt = args.prompt
+    if args.chat:
+        if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
+            raise ValueError(f"--chat needs a tokenizer with a chat template; {args.model} has none")
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                   [{"role": "user", "content": prompt}]
+        prompt = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    engine.add_request("cli", prompt, params)
+    start = time.perf_counter()
+    first_token_at, num_tokens, finish_reason = None, 0, None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            completion = output.outputs[0]
+            sys.stdout.write(completion.text)
+            sys.stdout.flush()
+            num_tokens += len(completion.token_ids)
+            first_token_at = first_token_at or time.perf_counter()
+            finish_reason = completion.finish_reason
+    end = time.perf_counter()
+    decode_rate = (num_tokens - 1) / (end - first_token_at) if num_tokens > 1 else float("nan")
+    print(f"\n[mini-infer] {num_tokens} tokens, finish_reason={finish_reason}; "
+          f"first token {1000 * (first_token_at - start):.0f} ms, decode {decode_rate:.1f} tok/s "
+          f"({engine.config.torch_dtype}, {engine.config.device})", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
