@@ -1,0 +1,77 @@
+"""Shared fixtures: random-weight Qwen2 checkpoints written by HF transformers, every tensor perturbed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+PARITY_CONFIGS = {
+    # tied head, a single KV head (4 query heads share it)
+    "tied-1kv": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, rope_theta=10000.0,
+                     tie_word_embeddings=True),
+    # untied head, GQA with 2 KV heads, Qwen2.5's rope_theta
+    "untied-gqa": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, rope_theta=1e6,
+                       tie_word_embeddings=False),
+    # plain multi-head (6 KV heads), another rope_theta, 3 layers
+    "untied-mha": dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=6, rope_theta=500000.0,
+                       tie_word_embeddings=False, num_hidden_layers=3),
+}
+
+
+def build_hf_model(seed: int = 0, vocab_size: int = 1000, **overrides):
+    """A transformers Qwen2ForCausalLM (float64) with every tensor randomised: HF's init leaves biases at 0 and
+    norm weights at 1, which would hide loading bugs there."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    settings = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                    rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0)
+    settings.update(overrides)
+    rope_theta = settings.pop("rope_theta")
+    config = Qwen2Config(**settings, rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+                         attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).to(torch.float64).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen, dtype=torch.float64)
+            param.copy_(1.0 + 0.2 * noise if "norm" in name else 0.15 * noise)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def save_hf_model(model, out_dir: Path, *, layout: str = "transformers5", max_shard_size: str | None = None) -> Path:
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out_dir, **kwargs)
+    if layout == "published":
+        to_published_layout(out_dir / "config.json")
+    return out_dir
+
+
+def to_published_layout(config_path: Path) -> None:
+    """Rewrite a transformers-5 config.json the way published Qwen2.5 checkpoints spell it."""
+    raw = json.loads(config_path.read_text())
+    raw["rope_theta"] = raw.pop("rope_parameters")["rope_theta"]
+    raw["rope_scaling"] = None
+    raw["torch_dtype"] = raw.pop("dtype")
+    raw.pop("layer_types", None)
+    config_path.write_text(json.dumps(raw, indent=2))
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """The `tiny` preset written by mini-infer's own factory (Qwen2.5 vocabulary and tokenizer)."""
+    from mini_infer.factory import make_model
+
+    return make_model("tiny", tmp_path_factory.mktemp("tiny") / "model", seed=0, dtype="float32")

@@ -1,0 +1,73 @@
+"""Incremental detokenization with the real Qwen2.5 tokenizer: split UTF-8 characters, stop strings."""
+
+from __future__ import annotations
+
+import pytest
+
+from mini_infer import SamplingParams
+from mini_infer.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
+
+TEXT = "Paged attention 🦙🚀 naïve café — 鬱鬱蔥蔥 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 done."
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return load_tokenizer(tiny_model_dir)
+
+
+def stream(tokenizer, token_ids, params=None):
+    detok = IncrementalDetokenizer(tokenizer, params or SamplingParams())
+    pieces = []
+    for n in range(1, len(token_ids) + 1):
+        before = len(detok.output_text)
+        detok.update(token_ids[:n], flush=n == len(token_ids))
+        pieces.append(detok.output_text[before:])
+    return detok, pieces
+
+
+def test_multibyte_characters_split_across_tokens_are_never_emitted_half(tokenizer):
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    # The test only means something if some token boundary falls inside a character.
+    assert any(tokenizer.decode(ids[:n]).endswith("\ufffd") for n in range(1, len(ids)))
+    detok, pieces = stream(tokenizer, ids)
+    assert all("\ufffd" not in piece for piece in pieces)
+    assert "".join(pieces) == detok.output_text == TEXT
+
+
+def test_an_incomplete_character_at_the_end_is_flushed_as_replacement(tokenizer):
+    ids = tokenizer.encode("𓀀", add_special_tokens=False)
+    assert len(ids) > 1
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams())
+    assert detok.update(ids[:1]) == 0  # held back: half a character
+    assert detok.update(ids[:1], flush=True) > 0
+    assert detok.output_text == "\ufffd"
+
+
+def test_special_tokens_are_skipped_unless_asked(tokenizer):
+    ids = tokenizer.encode("hi<|im_end|>", add_special_tokens=False)
+    assert ids[-1] == 151645
+    assert stream(tokenizer, ids)[0].output_text == "hi"
+    kept = stream(tokenizer, ids, SamplingParams(skip_special_tokens=False))[0]
+    assert kept.output_text == "hi<|im_end|>"
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_cuts_the_text(tokenizer, include):
+    ids = tokenizer.encode("one two three four", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams(stop=["zzz", "thr"], include_stop_str_in_output=include))
+    found = None
+    for n in range(1, len(ids) + 1):
+        found = detok.find_stop(detok.update(ids[:n]))
+        if found:
+            break
+    assert found == "thr"
+    assert detok.output_text == ("one two thr" if include else "one two ")
+
+
+def test_text_that_may_start_a_stop_string_is_held_back(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams(stop="four five"))
+    ids = tokenizer.encode("one two three", add_special_tokens=False)
+    detok.update(ids)
+    assert detok.output_text == "one two three"
+    assert detok.visible_text(finished=False) == "one two three"[: -len("four five") + 1]
+    assert detok.visible_text(finished=True) == "one two three"
