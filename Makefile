@@ -1,0 +1,22 @@
+# The two Quick-start commands. Each creates .venv on first use: the pinned CPU torch first (a looser
+# requirement would pull a multi-GB CUDA build), then mini-infer with its test extras.
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+.PHONY: run test
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet torch==2.13.0
+	$(VENV)/bin/pip install --quiet -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+# Main job: stream a greedy chat completion from the default model (random-weight Qwen2.5-0.5B shape,
+# written to ~/.cache/mini-infer on first use).
+run: $(STAMP)
+	$(VENV)/bin/mini-infer generate --chat "Explain paged attention in two sentences." \
+		--max-tokens 64 --temperature 0 --ignore-eos
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q
