@@ -29,7 +29,7 @@ class KVCacheManager:
 
     def usage(self) -> float:
         """Fraction of blocks owned by requests."""
-        return 1.0 - len(self._free_blocks) / self.num_blocks
+        return (self.num_blocks - len(self._free_blocks)) / self.num_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -55,8 +55,9 @@ class Scheduler:
             request = self.waiting[0]
             # A preempted request recomputes everything it had: prompt and the tokens generated so far.
             num_new = request.num_tokens - request.num_computed_tokens
-            # Leave one block per running request so the next decode step need not preempt what we admit.
-            spare = self.kv_cache.num_free_blocks - self.kv_cache.blocks_for(request.num_tokens)
+            # Leave one block per running request so the next decode step need not preempt what we admit;
+            # count the slot of the token this prefill samples, which that step computes.
+            spare = self.kv_cache.num_free_blocks - self.kv_cache.blocks_for(request.num_tokens + 1)
             if num_new > budget or spare < len(self.running):
                 break
             if not self.kv_cache.allocate_slots(request.request_id, request.num_tokens):
