@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# The engine's device in the parity tests (the HF reference always runs on the CPU in float64).
+DEVICE = os.environ.get("MINI_INFER_TEST_DEVICE", "cpu")
 
 PARITY_CONFIGS = {
     # tied head, a single KV head (4 query heads share it)

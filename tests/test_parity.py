@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from conftest import PARITY_CONFIGS, build_hf_model, hf_greedy, save_hf_model
+from conftest import DEVICE, PARITY_CONFIGS, build_hf_model, hf_greedy, save_hf_model
 from mini_infer import LLM, SamplingParams
 from mini_infer.engine.llm_engine import LLMEngine
 
@@ -40,25 +40,25 @@ def engine_logits(engine: LLMEngine, prompts: list[list[int]]) -> list[torch.Ten
     input_ids, positions, meta, _ = engine.runner.prepare_inputs(scheduled)
     with torch.inference_mode():
         logits = engine.runner.model(input_ids, positions, engine.runner.kv_caches, meta,
-                                     torch.arange(len(input_ids)))
+                                     torch.arange(len(input_ids), device=input_ids.device))
     return list(logits.split(scheduled.num_new_tokens))
 
 
 @pytest.mark.parametrize("dtype,tol", [("float64", 1e-5), ("float32", 1e-3)])
 def test_prefill_logits_match_hf(reference, dtype, tol):
     path, model, prompts, _ = reference
-    engine = LLMEngine.from_args(str(path), dtype=dtype, block_size=4)
+    engine = LLMEngine.from_args(str(path), dtype=dtype, block_size=4, device=DEVICE)
     ours = engine_logits(engine, prompts)
     for prompt, logits in zip(prompts, ours):
         with torch.no_grad():
             theirs = model(torch.tensor([prompt])).logits[0]
         assert logits.dtype == getattr(torch, dtype)
-        torch.testing.assert_close(logits.double(), theirs, rtol=tol, atol=tol)
+        torch.testing.assert_close(logits.cpu().double(), theirs, rtol=tol, atol=tol)
 
 
 def test_greedy_batch_equals_hf_alone(reference):
     path, _, prompts, expected = reference
-    llm = LLM(str(path), dtype="float64", block_size=4)
+    llm = LLM(str(path), dtype="float64", block_size=4, device=DEVICE)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)
@@ -68,7 +68,7 @@ def test_greedy_batch_equals_hf_alone(reference):
 def test_greedy_with_preemption_equals_hf(reference):
     path, _, prompts, expected = reference
     # 40 blocks of 4 tokens: the longest request alone needs 33, so the batch cannot all stay resident.
-    llm = LLM(str(path), dtype="float64", block_size=4, num_kv_blocks=40)
+    llm = LLM(str(path), dtype="float64", block_size=4, num_kv_blocks=40, device=DEVICE)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outputs] == expected
@@ -77,7 +77,7 @@ def test_greedy_with_preemption_equals_hf(reference):
 
 def test_requests_joining_mid_decode_equal_hf(reference):
     path, _, prompts, expected = reference
-    engine = LLMEngine.from_args(str(path), dtype="float64", block_size=4, max_num_seqs=4)
+    engine = LLMEngine.from_args(str(path), dtype="float64", block_size=4, max_num_seqs=4, device=DEVICE)
     results: dict[str, list[int]] = {}
     pending = list(enumerate(prompts))
     steps = 0
@@ -101,11 +101,11 @@ def test_config_layouts_and_shards_load_identically(tmp_path):
              save_hf_model(model, tmp_path / "sharded", layout="published", max_shard_size="100KB")]
     assert (paths[2] / "model.safetensors.index.json").is_file()
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [5, 3]]
-    first, *others = [engine_logits(LLMEngine.from_args(str(p), dtype="float64"), prompts) for p in paths]
+    first, *others = [engine_logits(LLMEngine.from_args(str(p), dtype="float64", device=DEVICE), prompts) for p in paths]
     for logits in others:
         assert all(torch.equal(x, y) for x, y in zip(first, logits))
     with torch.no_grad():
-        torch.testing.assert_close(first[0], model(torch.tensor([prompts[0]])).logits[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(first[0].cpu(), model(torch.tensor([prompts[0]])).logits[0], rtol=1e-5, atol=1e-5)
 
 
 def test_float64_logits_exact_against_full_precision_reference(reference, monkeypatch):
@@ -119,8 +119,8 @@ def test_float64_logits_exact_against_full_precision_reference(reference, monkey
 
     monkeypatch.setattr(modeling_qwen2.Qwen2RMSNorm, "forward", rms_norm_float64)
     path, model, prompts, _ = reference
-    ours = engine_logits(LLMEngine.from_args(str(path), dtype="float64", block_size=4), prompts)
+    ours = engine_logits(LLMEngine.from_args(str(path), dtype="float64", block_size=4, device=DEVICE), prompts)
     for prompt, logits in zip(prompts, ours):
         with torch.no_grad():
             theirs = model(torch.tensor([prompt])).logits[0]
-        torch.testing.assert_close(logits, theirs, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(logits.cpu(), theirs, rtol=1e-10, atol=1e-10)
