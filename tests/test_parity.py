@@ -124,3 +124,14 @@ def test_float64_logits_exact_against_full_precision_reference(reference, monkey
         with torch.no_grad():
             theirs = model(torch.tensor([prompt])).logits[0]
         torch.testing.assert_close(logits.cpu(), theirs, rtol=1e-10, atol=1e-10)
+
+
+def test_unwritten_cache_slots_never_reach_the_output(reference):
+    """The KV cache is allocated uninitialised: poison it with NaN and the tokens must not change."""
+    path, _, prompts, expected = reference
+    llm = LLM(str(path), dtype="float64", block_size=4, device=DEVICE)
+    for k_cache, v_cache in llm.engine.runner.kv_caches:
+        k_cache.fill_(float("nan"))
+        v_cache.fill_(float("nan"))
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected

@@ -47,12 +47,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
     """One query per request, all requests in one batched call."""
     num_reqs, heads, head_dim = q.shape
-    _, block_size, kv_heads, _ = k_cache.shape
+    kv_heads = k_cache.shape[2]
     group = heads // kv_heads
     keys = k_cache[meta.block_tables].view(num_reqs, -1, kv_heads, head_dim).transpose(1, 2)
     values = v_cache[meta.block_tables].view(num_reqs, -1, kv_heads, head_dim).transpose(1, 2)
     positions = torch.arange(keys.shape[2], device=q.device)
     mask = (positions[None, :] < meta.context_lens[:, None]).view(num_reqs, 1, 1, -1)
+    # Slots past a request's context were never written (the cache is allocated uninitialised): zero them
+    # so that no stray NaN reaches the weighted sum, where a 0 weight would not cancel it.
+    valid = mask.view(num_reqs, 1, -1, 1)
+    keys, values = keys.where(valid, 0), values.where(valid, 0)
     # Query head h reads KV head h // group: fold each KV head's query group into the query axis.
     out = F.scaled_dot_product_attention(q.view(num_reqs, kv_heads, group, head_dim), keys, values, attn_mask=mask)
     return out.reshape(num_reqs, heads, head_dim)

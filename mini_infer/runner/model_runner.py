@@ -29,10 +29,11 @@ class ModelRunner:
         self.model = load_model(mc, Path(config.model), dtype=config.torch_dtype, device=config.device,
                                 max_positions=config.max_model_len)
         shape = (kv_cache.num_blocks, kv_cache.block_size, mc.num_key_value_heads, mc.head_dim)
-        # Zeroed, not empty: unwritten slots of a request's last block are masked, and must be finite.
+        # Uninitialised: pages are committed as blocks are first written (zeroing gigabytes up front took
+        # seconds here); attention never lets an unwritten slot reach its result.
         self.kv_caches = [
-            (torch.zeros(shape, dtype=config.torch_dtype, device=self.device),
-             torch.zeros(shape, dtype=config.torch_dtype, device=self.device))
+            (torch.empty(shape, dtype=config.torch_dtype, device=self.device),
+             torch.empty(shape, dtype=config.torch_dtype, device=self.device))
             for _ in range(mc.num_hidden_layers)
         ]
         self.sampler = Sampler(mc.vocab_size, self.device, config.seed)
