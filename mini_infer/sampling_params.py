@@ -39,6 +39,10 @@ class SamplingParams:
     stop_strings: list[str] = field(init=False)
 
     def __post_init__(self) -> None:
+        _check(self.stop is None or isinstance(self.stop, (str, list, tuple)), "stop",
+               "must be a string or a list of strings", self.stop)
+        _check(self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)), "stop_token_ids",
+               "must be a list of token ids", self.stop_token_ids)
         self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
@@ -57,7 +61,8 @@ class SamplingParams:
         _check(self.repetition_penalty > 0, "repetition_penalty", "must be > 0", self.repetition_penalty)
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]", self.presence_penalty)
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]", self.frequency_penalty)
-        _check(self.seed is None or _is_int(self.seed), "seed", "must be an integer or None", self.seed)
+        _check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64), "seed",
+               "must be None or an integer in [-2**63, 2**64)", self.seed)
         _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
                "max_tokens", "must be an integer >= 1 (or None: up to max_model_len)", self.max_tokens)
         _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be an integer >= 0",
