@@ -71,7 +71,8 @@ class ModelConfig:
         heads = int(need("num_attention_heads"))
         kv_heads = int(raw.get("num_key_value_heads") or heads)
         if heads % kv_heads:
-            raise ValueError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+            raise ValueError(f"{source}: num_attention_heads={heads} is not a multiple of "
+                             f"num_key_value_heads={kv_heads}")
         head_dim = int(raw.get("head_dim") or hidden // heads)
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())

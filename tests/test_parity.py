@@ -101,7 +101,8 @@ def test_config_layouts_and_shards_load_identically(tmp_path):
              save_hf_model(model, tmp_path / "sharded", layout="published", max_shard_size="100KB")]
     assert (paths[2] / "model.safetensors.index.json").is_file()
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [5, 3]]
-    first, *others = [engine_logits(LLMEngine.from_args(str(p), dtype="float64", device=DEVICE), prompts) for p in paths]
+    engines = [LLMEngine.from_args(str(p), dtype="float64", device=DEVICE) for p in paths]
+    first, *others = [engine_logits(engine, prompts) for engine in engines]
     for logits in others:
         assert all(torch.equal(x, y) for x, y in zip(first, logits))
     with torch.no_grad():

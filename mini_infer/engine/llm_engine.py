@@ -210,12 +210,13 @@ def _make_output(request: Request) -> RequestOutput | None:
     kind = request.params.output_kind
     if kind is RequestOutputKind.FINAL_ONLY and not request.finished:
         return None
-    text, token_ids, logprobs = request.text, request.output_token_ids, request.logprobs
+    full_text = request.text
+    text, token_ids, logprobs = full_text, request.output_token_ids, request.logprobs
     if kind is RequestOutputKind.DELTA:
-        text = text[request.num_emitted_chars:]
+        text = full_text[request.num_emitted_chars:]
         token_ids = token_ids[request.num_emitted_tokens:]
         logprobs = logprobs[request.num_emitted_tokens:] if logprobs is not None else None
-    request.num_emitted_chars = len(request.text)
+    request.num_emitted_chars = len(full_text)
     request.num_emitted_tokens = request.num_output_tokens
     completion = CompletionOutput(
         index=0, text=text, token_ids=list(token_ids), cumulative_logprob=request.cumulative_logprob,

@@ -44,7 +44,8 @@ class ModelRunner:
         start_positions = torch.tensor([r.num_computed_tokens for r in requests])
         rows = torch.tensor([self.kv_manager.row(r.request_id) for r in requests])
         if scheduled.is_prefill:
-            input_ids = torch.tensor(list(chain.from_iterable(r.all_token_ids[r.num_computed_tokens:] for r in requests)))
+            new_tokens = (r.all_token_ids[r.num_computed_tokens:] for r in requests)
+            input_ids = torch.tensor(list(chain.from_iterable(new_tokens)))
         else:
             input_ids = torch.tensor([r.last_token_id for r in requests])
         query_start_loc = torch.zeros(len(requests) + 1, dtype=torch.int64)
