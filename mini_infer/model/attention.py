@@ -54,9 +54,11 @@ def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Ten
     positions = torch.arange(keys.shape[2], device=q.device)
     mask = (positions[None, :] < meta.context_lens[:, None]).view(num_reqs, 1, 1, -1)
     # Slots past a request's context were never written (the cache is allocated uninitialised): zero them
-    # so that no stray NaN reaches the weighted sum, where a 0 weight would not cancel it.
-    valid = mask.view(num_reqs, 1, -1, 1)
-    keys, values = keys.where(valid, 0), values.where(valid, 0)
+    # so that no stray NaN reaches a score or the weighted sum, where masking alone would not cancel it.
+    # In place: the gathers above are fresh copies.
+    unwritten = ~mask.view(num_reqs, 1, -1, 1)
+    keys.masked_fill_(unwritten, 0)
+    values.masked_fill_(unwritten, 0)
     # Query head h reads KV head h // group: fold each KV head's query group into the query axis.
     out = F.scaled_dot_product_attention(q.view(num_reqs, kv_heads, group, head_dim), keys, values, attn_mask=mask)
     return out.reshape(num_reqs, heads, head_dim)
