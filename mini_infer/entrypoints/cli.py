@@ -102,7 +102,7 @@ def _generate(args) -> int:
     prompt = args.prompt
     if args.chat:
         if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
-            raise ValueError(f"--chat needs a tokenizer with a chat template; {args.model} has none")
+            raise ValueError(f"--chat needs a tokenizer with a chat template; {engine.config.model} has none")
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
                    [{"role": "user", "content": prompt}]
         prompt = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
