@@ -90,40 +90,32 @@ def test_missing_directory_and_missing_config(tmp_path):
         LLM(str(tmp_path))
 
 
-def test_missing_tensor_is_named(copy_of):
+def _drop(name):
+    return lambda tensors: tensors.pop(name)
+
+
+def _shorten(name):
+    return lambda tensors: tensors.update({name: tensors[name][:-1].clone()})
+
+
+def _add(name):
+    return lambda tensors: tensors.update({name: torch.zeros(2, 2)})
+
+
+@pytest.mark.parametrize("edit,message", [
+    (_drop("model.layers.1.self_attn.k_proj.bias"), r"missing tensors: model\.layers\.1\.self_attn\.k_proj\.bias"),
+    (_shorten("model.layers.0.mlp.up_proj.weight"),
+     r"model\.layers\.0\.mlp\.up_proj\.weight.*shape \(159, 64\), expected \(160, 64\)"),
+    (_add("model.layers.5.mlp.up_proj.weight"), r"unexpected tensor 'model\.layers\.5\.mlp\.up_proj\.weight'"),
+    # an untied checkpoint must carry its own head
+    (_drop("lm_head.weight"), r"missing tensors: lm_head\.weight"),
+], ids=["missing", "misshaped", "unexpected", "untied-without-head"])
+def test_bad_tensors_are_named(copy_of, edit, message):
     path = copy_of()
     tensors = load_file(path / "model.safetensors")
-    del tensors["model.layers.1.self_attn.k_proj.bias"]
+    edit(tensors)
     save_file(tensors, path / "model.safetensors")
-    with pytest.raises(ValueError, match=r"missing tensors: model\.layers\.1\.self_attn\.k_proj\.bias"):
-        LLM(str(path))
-
-
-def test_misshaped_tensor_is_named(copy_of):
-    path = copy_of()
-    tensors = load_file(path / "model.safetensors")
-    tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"][:-1].clone()
-    save_file(tensors, path / "model.safetensors")
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.up_proj\.weight.*shape \(159, 64\), expected "
-                                         r"\(160, 64\)"):
-        LLM(str(path))
-
-
-def test_unexpected_tensor_is_named(copy_of):
-    path = copy_of()
-    tensors = load_file(path / "model.safetensors")
-    tensors["model.layers.5.mlp.up_proj.weight"] = torch.zeros(2, 2)
-    save_file(tensors, path / "model.safetensors")
-    with pytest.raises(ValueError, match=r"unexpected tensor 'model\.layers\.5\.mlp\.up_proj\.weight'"):
-        LLM(str(path))
-
-
-def test_untied_checkpoint_without_lm_head_is_rejected(copy_of):
-    path = copy_of()
-    tensors = load_file(path / "model.safetensors")
-    del tensors["lm_head.weight"]
-    save_file(tensors, path / "model.safetensors")
-    with pytest.raises(ValueError, match=r"missing tensors: lm_head\.weight"):
+    with pytest.raises(ValueError, match=message):
         LLM(str(path))
 
 
