@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+from torch.profiler import record_function
 
 from mini_infer.config import EngineConfig
 from mini_infer.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
@@ -142,10 +143,18 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled forward; return the outputs of the requests it advanced (and of aborted ones)."""
         outputs, self._aborted_outputs = self._aborted_outputs, []
-        scheduled = self.scheduler.schedule()
+        with record_function("scheduler"):
+            scheduled = self.scheduler.schedule()
         if not scheduled.requests:
             return outputs
         sampled = self.runner.execute(scheduled)
+        with record_function("scheduler"):
+            outputs.extend(self._process(scheduled, sampled))
+        return outputs
+
+    def _process(self, scheduled, sampled) -> list[RequestOutput]:
+        """Append the sampled tokens, retire finished requests and build the step's outputs."""
+        outputs = []
         for request, num_new, token_id, logprobs in zip(scheduled.requests, scheduled.num_new_tokens,
                                                          sampled.token_ids, sampled.logprobs):
             request.num_computed_tokens += num_new

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 from mini_infer.config import ModelConfig
 from mini_infer.model.attention import AttentionMetadata, paged_attention, write_kv
@@ -34,8 +35,10 @@ class Qwen2Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
         k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta)
+        with record_function("kv_write"):
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        with record_function("attention"):
+            out = paged_attention(q, k_cache, v_cache, meta)
         return F.linear(out.reshape(num_tokens, -1), self.o_proj)
 
 
@@ -72,4 +75,5 @@ class Qwen2ForCausalLM(nn.Module):
         x = F.embedding(input_ids, self.embed_tokens)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, positions, self.rotary, kv_cache, meta)
-        return F.linear(self.norm(x[logits_indices]), self.lm_head)
+        with record_function("lm_head"):
+            return F.linear(self.norm(x[logits_indices]), self.lm_head)

@@ -11,6 +11,7 @@ from itertools import chain
 from pathlib import Path
 
 import torch
+from torch.profiler import record_function
 
 from mini_infer.config import EngineConfig
 from mini_infer.engine.kv_cache import KVCacheManager
@@ -72,6 +73,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> SamplerOutput:
-        input_ids, positions, meta, logits_indices = self.prepare_inputs(scheduled)
-        logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
-        return self.sampler(logits, scheduled.requests)
+        with record_function("input_prep"):
+            input_ids, positions, meta, logits_indices = self.prepare_inputs(scheduled)
+        with record_function("forward"):
+            logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
+        with record_function("sampling"):
+            return self.sampler(logits, scheduled.requests)
