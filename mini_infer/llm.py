@@ -15,14 +15,9 @@ from mini_infer.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str, *, dtype: str = "auto", device: str = "cpu", block_size: int = 16,
-                 num_kv_blocks: int | None = None, kv_cache_memory_gb: float = 2.0, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int | None = None, max_model_len: int | None = None, seed: int = 0) -> None:
-        self.engine = LLMEngine(EngineConfig(
-            model=str(model), dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
-            kv_cache_memory_gb=kv_cache_memory_gb, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, seed=seed,
-        ))
+    def __init__(self, model: str, **engine_args) -> None:
+        """engine_args: the EngineConfig fields (dtype, device, block_size, max_num_seqs, linear_backend, ...)."""
+        self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args))
         self._request_counter = itertools.count()
 
     def get_tokenizer(self):

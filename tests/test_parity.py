@@ -6,6 +6,7 @@ flip a near-tie, whatever the batch, the block size, preemption or requests arri
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -44,16 +45,38 @@ def engine_logits(engine: LLMEngine, prompts: list[list[int]]) -> list[torch.Ten
     return list(logits.split(scheduled.num_new_tokens))
 
 
-@pytest.mark.parametrize("dtype,tol", [("float64", 1e-5), ("float32", 1e-3)])
-def test_prefill_logits_match_hf(reference, dtype, tol):
+@pytest.mark.parametrize("dtype,tol,backend", [("float64", 1e-5, "auto"), ("float32", 1e-3, "torch"),
+                                               ("float32", 1e-3, "cpu-gemm")])
+def test_prefill_logits_match_hf(reference, dtype, tol, backend):
     path, model, prompts, _ = reference
-    engine = LLMEngine.from_args(str(path), dtype=dtype, block_size=4, device=DEVICE)
+    if backend == "cpu-gemm" and DEVICE != "cpu":
+        pytest.skip("the cpu-gemm kernel runs on the CPU")
+    engine = LLMEngine.from_args(str(path), dtype=dtype, block_size=4, device=DEVICE, linear_backend=backend)
     ours = engine_logits(engine, prompts)
     for prompt, logits in zip(prompts, ours):
         with torch.no_grad():
             theirs = model(torch.tensor([prompt])).logits[0]
         assert logits.dtype == getattr(torch, dtype)
         torch.testing.assert_close(logits.cpu().double(), theirs, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu-gemm"])
+def test_bfloat16_logits_as_close_to_float64_as_hf_bfloat16(reference, backend):
+    """In bfloat16 our logits may stray from the float64 reference only about as far as HF's own bfloat16 run."""
+    if backend == "cpu-gemm" and DEVICE != "cpu":
+        pytest.skip("the cpu-gemm kernel runs on the CPU")
+    path, model, prompts, _ = reference
+    engine = LLMEngine.from_args(str(path), dtype="bfloat16", block_size=4, device=DEVICE, linear_backend=backend)
+    ours = engine_logits(engine, prompts)
+    hf_bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    our_error, hf_error = [], []
+    for prompt, logits in zip(prompts, ours):
+        with torch.no_grad():
+            exact = model(torch.tensor([prompt])).logits[0]
+            hf_error.append((hf_bf16(torch.tensor([prompt])).logits[0].double() - exact).abs().mean())
+        our_error.append((logits.cpu().double() - exact).abs().mean())
+    assert logits.dtype == torch.bfloat16
+    assert sum(our_error) <= 1.25 * sum(hf_error), (sum(our_error), sum(hf_error))
 
 
 def test_greedy_batch_equals_hf_alone(reference):

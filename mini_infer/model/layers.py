@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mini_infer.model.linear import LinearBackend
+
 
 def empty_parameter(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
@@ -57,12 +59,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class SwiGLUMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype, device) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, linear: LinearBackend, *, dtype: torch.dtype,
+                 device) -> None:
         super().__init__()
+        self.linear = linear
         self.intermediate_size = intermediate_size
         self.gate_up_proj = empty_parameter(2 * intermediate_size, hidden_size, dtype=dtype, device=device)
         self.down_proj = empty_parameter(hidden_size, intermediate_size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj)
+        gate, up = self.linear(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
+        return self.linear(F.silu(gate) * up, self.down_proj)

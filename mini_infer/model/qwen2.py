@@ -11,12 +11,14 @@ from torch.profiler import record_function
 
 from mini_infer.config import ModelConfig
 from mini_infer.model.attention import AttentionMetadata, paged_attention, write_kv
+from mini_infer.model.linear import LinearBackend
 from mini_infer.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, empty_parameter
 
 
 class Qwen2Attention(nn.Module):
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device) -> None:
+    def __init__(self, config: ModelConfig, linear: LinearBackend, *, dtype: torch.dtype, device) -> None:
         super().__init__()
+        self.linear = linear
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -29,7 +31,7 @@ class Qwen2Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = F.linear(x, self.qkv_proj, self.qkv_bias).split(self.split_sizes, dim=-1)
+        q, k, v = self.linear(x, self.qkv_proj, self.qkv_bias).split(self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -39,17 +41,17 @@ class Qwen2Attention(nn.Module):
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         with record_function("attention"):
             out = paged_attention(q, k_cache, v_cache, meta)
-        return F.linear(out.reshape(num_tokens, -1), self.o_proj)
+        return self.linear(out.reshape(num_tokens, -1), self.o_proj)
 
 
 class Qwen2DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device) -> None:
+    def __init__(self, config: ModelConfig, linear: LinearBackend, *, dtype: torch.dtype, device) -> None:
         super().__init__()
         factory = dict(dtype=dtype, device=device)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-        self.self_attn = Qwen2Attention(config, **factory)
+        self.self_attn = Qwen2Attention(config, linear, **factory)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, **factory)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, linear, **factory)
 
     def forward(self, x, positions, rotary, kv_cache, meta) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
@@ -57,12 +59,14 @@ class Qwen2DecoderLayer(nn.Module):
 
 
 class Qwen2ForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device, max_positions: int,
+                 linear: LinearBackend) -> None:
         super().__init__()
         self.config = config
+        self.linear = linear
         factory = dict(dtype=dtype, device=device)
         self.embed_tokens = empty_parameter(config.vocab_size, config.hidden_size, **factory)
-        self.layers = nn.ModuleList(Qwen2DecoderLayer(config, **factory) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Qwen2DecoderLayer(config, linear, **factory) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, max_positions, **factory)
         self.lm_head = (self.embed_tokens if config.tie_word_embeddings
@@ -76,4 +80,4 @@ class Qwen2ForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, positions, self.rotary, kv_cache, meta)
         with record_function("lm_head"):
-            return F.linear(self.norm(x[logits_indices]), self.lm_head)
+            return self.linear(self.norm(x[logits_indices]), self.lm_head)

@@ -1,0 +1,40 @@
+"""Compile a kernel source shipped with the package into a shared library, once per source and compiler.
+
+The library lands in the mini-infer cache dir, named by a hash of the source, flags and compiler version, so
+an edited kernel or another compiler rebuilds it; parallel processes race safely (atomic rename).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from mini_infer.factory.tokenizer import cache_dir
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernel cannot be built or run on this machine; the message says why."""
+
+
+def build_library(source: Path, flags: list[str]) -> ctypes.CDLL:
+    compiler = os.environ.get("CXX", "g++")
+    if shutil.which(compiler) is None:
+        raise KernelUnavailable(f"no C++ compiler {compiler!r} on PATH (set CXX)")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    digest = hashlib.sha256("\0".join([source.read_text(), *flags, version]).encode()).hexdigest()[:16]
+    target = cache_dir() / "kernels" / f"{source.stem}-{digest}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            partial = Path(tmp) / target.name
+            result = subprocess.run([compiler, *flags, "-shared", "-fPIC", "-o", str(partial), str(source)],
+                                    capture_output=True, text=True)
+            if result.returncode != 0:
+                raise KernelUnavailable(f"{compiler} failed to build {source.name}: {result.stderr.strip()[:500]}")
+            os.replace(partial, target)
+    return ctypes.CDLL(str(target))
