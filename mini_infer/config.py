@@ -130,7 +130,7 @@ def resolve_dtype(dtype: str | torch.dtype, model_config: ModelConfig) -> torch.
     return DTYPES[name]
 
 
-LINEAR_BACKENDS = ("auto", "torch", "cpu-gemm")  # what each means: mini_infer.model.linear
+CPU_KERNEL_MODES = ("auto", "on", "off")  # what each means: mini_infer.model.ops
 
 
 @dataclass(slots=True)
@@ -147,7 +147,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     seed: int = 0
-    linear_backend: str = "auto"  # auto, torch or cpu-gemm (mini_infer.model.linear)
+    cpu_kernels: str = "auto"  # auto, on or off (mini_infer.model.ops)
     model_config: ModelConfig = field(init=False)
     torch_dtype: torch.dtype = field(init=False)
 
@@ -175,9 +175,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
                              f"({self.max_model_len}): a whole prompt is prefilled in one step")
         self.torch_dtype = resolve_dtype(self.dtype, self.model_config)
-        if self.linear_backend not in LINEAR_BACKENDS:
-            raise ValueError(f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}, "
-                             f"got {self.linear_backend!r}")
+        if self.cpu_kernels not in CPU_KERNEL_MODES:
+            raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNEL_MODES)}, got {self.cpu_kernels!r}")
 
     @property
     def max_blocks_per_seq(self) -> int:

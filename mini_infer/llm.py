@@ -16,7 +16,7 @@ from mini_infer.sampling_params import RequestOutputKind, SamplingParams
 
 class LLM:
     def __init__(self, model: str, **engine_args) -> None:
-        """engine_args: the EngineConfig fields (dtype, device, block_size, max_num_seqs, linear_backend, ...)."""
+        """engine_args: the EngineConfig fields (dtype, device, block_size, max_num_seqs, cpu_kernels, ...)."""
         self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args))
         self._request_counter = itertools.count()
 

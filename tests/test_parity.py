@@ -45,13 +45,13 @@ def engine_logits(engine: LLMEngine, prompts: list[list[int]]) -> list[torch.Ten
     return list(logits.split(scheduled.num_new_tokens))
 
 
-@pytest.mark.parametrize("dtype,tol,backend", [("float64", 1e-5, "auto"), ("float32", 1e-3, "torch"),
-                                               ("float32", 1e-3, "cpu-gemm")])
-def test_prefill_logits_match_hf(reference, dtype, tol, backend):
+@pytest.mark.parametrize("dtype,tol,kernels", [("float64", 1e-5, "auto"), ("float32", 1e-3, "off"),
+                                               ("float32", 1e-3, "on")])
+def test_prefill_logits_match_hf(reference, dtype, tol, kernels):
     path, model, prompts, _ = reference
-    if backend == "cpu-gemm" and DEVICE != "cpu":
-        pytest.skip("the cpu-gemm kernel runs on the CPU")
-    engine = LLMEngine.from_args(str(path), dtype=dtype, block_size=4, device=DEVICE, linear_backend=backend)
+    if kernels == "on" and DEVICE != "cpu":
+        pytest.skip("the native kernels run on the CPU")
+    engine = LLMEngine.from_args(str(path), dtype=dtype, block_size=4, device=DEVICE, cpu_kernels=kernels)
     ours = engine_logits(engine, prompts)
     for prompt, logits in zip(prompts, ours):
         with torch.no_grad():
@@ -60,13 +60,13 @@ def test_prefill_logits_match_hf(reference, dtype, tol, backend):
         torch.testing.assert_close(logits.cpu().double(), theirs, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu-gemm"])
-def test_bfloat16_logits_as_close_to_float64_as_hf_bfloat16(reference, backend):
+@pytest.mark.parametrize("kernels", ["off", "on"])
+def test_bfloat16_logits_as_close_to_float64_as_hf_bfloat16(reference, kernels):
     """In bfloat16 our logits may stray from the float64 reference only about as far as HF's own bfloat16 run."""
-    if backend == "cpu-gemm" and DEVICE != "cpu":
-        pytest.skip("the cpu-gemm kernel runs on the CPU")
+    if kernels == "on" and DEVICE != "cpu":
+        pytest.skip("the native kernels run on the CPU")
     path, model, prompts, _ = reference
-    engine = LLMEngine.from_args(str(path), dtype="bfloat16", block_size=4, device=DEVICE, linear_backend=backend)
+    engine = LLMEngine.from_args(str(path), dtype="bfloat16", block_size=4, device=DEVICE, cpu_kernels=kernels)
     ours = engine_logits(engine, prompts)
     hf_bf16 = copy.deepcopy(model).to(torch.bfloat16)
     our_error, hf_error = [], []
@@ -77,6 +77,25 @@ def test_bfloat16_logits_as_close_to_float64_as_hf_bfloat16(reference, backend):
         our_error.append((logits.cpu().double() - exact).abs().mean())
     assert logits.dtype == torch.bfloat16
     assert sum(our_error) <= 1.25 * sum(hf_error), (sum(our_error), sum(hf_error))
+
+
+@pytest.mark.parametrize("kernels", ["off", "on"])
+def test_float32_decode_logprobs_match_hf(reference, kernels):
+    """Every decode step of a mixed batch in float32 (native kernels on and off): the sampled token's and the
+    top-5 logprobs equal HF's float64 logprobs on the same token sequence, to 1e-3."""
+    if kernels == "on" and DEVICE != "cpu":
+        pytest.skip("the native kernels run on the CPU")
+    path, model, prompts, _ = reference
+    llm = LLM(str(path), dtype="float32", block_size=4, device=DEVICE, cpu_kernels=kernels)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
+    for prompt, output in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        completion = output.outputs[0]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + completion.token_ids[:-1]])).logits[0, len(prompt) - 1:]
+        expected = torch.log_softmax(logits, dim=-1)
+        for step, entry in enumerate(completion.logprobs):
+            for token_id, logprob in entry.items():
+                assert logprob.logprob == pytest.approx(expected[step, token_id].item(), abs=1e-3)
 
 
 def test_greedy_batch_equals_hf_alone(reference):

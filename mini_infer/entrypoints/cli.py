@@ -31,15 +31,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--linear-backend", default="auto", choices=["auto", "torch", "cpu-gemm"],
-                        help="matmul of the projections and LM head (auto: cpu-gemm kernel on CPU for bf16/fp32)")
+    parser.add_argument("--cpu-kernels", default="auto", choices=["auto", "on", "off"],
+                        help="native CPU kernels for the matmuls and decode attention (auto: on for bf16/fp32 "
+                             "on the CPU when they build)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, device=args.device, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                linear_backend=args.linear_backend)
+                cpu_kernels=args.cpu_kernels)
 
 
 def resolve_model(model: str | None) -> str:

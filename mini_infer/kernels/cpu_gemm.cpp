@@ -1,104 +1,169 @@
-// out[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) in float32 arithmetic, with w stored as bfloat16 or float32.
+// out[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) in float32 arithmetic, for CPUs with AVX2 + FMA.
 //
-// For CPUs without native bf16 matmul (AVX2 + FMA only): bf16 weights are widened to float32 in registers
-// (a bf16 is the high half of a float32), so each weight byte is read from memory once per call and every
-// multiply-add runs on the float32 FMA units. Dot-product form over K, tiles of MR rows of x by NR rows of w;
-// threads split the output columns, so each thread streams its own slice of w.
+// w arrives packed in panels of 16 output columns, [ceil(N / 16), K, 16], float32 or bfloat16, so a tile walks
+// its panels as one sequential stream. A bf16 is the high half of a float32: one 32-byte load of a panel row
+// (16 bf16) becomes two float32 vectors with a shift (even columns) and a mask (odd columns). Each step
+// broadcasts x[m, k] and does one FMA per 8 columns (outer-product form): tiles of MR rows of x by NP panels
+// keep 2 * MR * NP accumulators in the 16 vector registers. Threads split the panels.
 #include <immintrin.h>
-#include <omp.h>
 #include <stdint.h>
+#include <string.h>
+
+#include <vector>
 
 namespace {
 
-constexpr int NR = 3;  // rows of w per tile; MR (rows of x) is at most 4: 12 accumulators + 3 w + 1 x = 16 ymm
+enum DType : int { F32 = 0, BF16 = 1 };
+constexpr int PANEL = 16;
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {
-    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-inline float scalar(float v) { return v; }
-inline float scalar(uint16_t v) {
+inline float bf16_to_f32(uint16_t v) {
     uint32_t bits = static_cast<uint32_t>(v) << 16;
     float f;
-    __builtin_memcpy(&f, &bits, sizeof f);
+    memcpy(&f, &bits, sizeof f);
     return f;
 }
-inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN stays NaN
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+    return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-// One MR x nr tile of out: rows m0.. of x against rows n0.. of w.
-template <int MR, int nr, typename W>
-inline void tile(const float* x, const W* w, const float* bias, float* out, int K, int N, int m0, int n0) {
-    __m256 acc[MR][nr];
-#pragma GCC unroll 4
+// One panel row (16 columns) as two float32 vectors a, b, and how to put them back in column order.
+struct F32Weights {
+    using T = float;
+    static inline void load(const float* p, __m256& a, __m256& b) {
+        a = _mm256_loadu_ps(p);
+        b = _mm256_loadu_ps(p + 8);
+    }
+    static inline void columns(__m256 a, __m256 b, float* dst) {
+        _mm256_storeu_ps(dst, a);
+        _mm256_storeu_ps(dst + 8, b);
+    }
+};
+
+struct BF16Weights {
+    using T = uint16_t;
+    static inline void load(const uint16_t* p, __m256& evens, __m256& odds) {
+        __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+        evens = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        odds = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+    }
+    static inline void columns(__m256 evens, __m256 odds, float* dst) {
+        const __m256 lo = _mm256_unpacklo_ps(evens, odds), hi = _mm256_unpackhi_ps(evens, odds);
+        _mm256_storeu_ps(dst, _mm256_permute2f128_ps(lo, hi, 0x20));
+        _mm256_storeu_ps(dst + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+    }
+};
+
+struct Problem {
+    const float* x;  // float32 [M, K]
+    const float* bias;  // float32 [N] or null
+    void* out;
+    int out_dtype, M, N, K;
+};
+
+inline void store_columns(const Problem& p, int m, int n0, const float* values) {
+    const int count = p.N - n0 < PANEL ? p.N - n0 : PANEL;
+    const int64_t row = static_cast<int64_t>(m) * p.N + n0;
+    for (int c = 0; c < count; ++c) {
+        const float v = values[c] + (p.bias ? p.bias[n0 + c] : 0.0f);
+        if (p.out_dtype == BF16) static_cast<uint16_t*>(p.out)[row + c] = f32_to_bf16(v);
+        else static_cast<float*>(p.out)[row + c] = v;
+    }
+}
+
+// Rows m0..m0+MR of out against panels panel0..panel0+NP.
+template <int MR, int NP, typename WT>
+inline void tile(const Problem& p, const typename WT::T* w, int m0, int panel0) {
+    __m256 acc[MR][NP][2];
+#pragma GCC unroll 8
     for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 3
-        for (int j = 0; j < nr; ++j) acc[i][j] = _mm256_setzero_ps();
-    const int k8 = K & ~7;
-    for (int k = 0; k < k8; k += 8) {
-        __m256 wv[nr];
-#pragma GCC unroll 3
-        for (int j = 0; j < nr; ++j) wv[j] = load8(w + (int64_t)(n0 + j) * K + k);
-#pragma GCC unroll 4
-        for (int i = 0; i < MR; ++i) {
-            __m256 xv = _mm256_loadu_ps(x + (int64_t)(m0 + i) * K + k);
-#pragma GCC unroll 3
-            for (int j = 0; j < nr; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+#pragma GCC unroll 8
+        for (int j = 0; j < NP; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
+    const int K = p.K;
+    const float* x = p.x + static_cast<int64_t>(m0) * K;
+    const typename WT::T* panel = w + static_cast<int64_t>(panel0) * K * PANEL;
+    for (int k = 0; k < K; ++k) {
+#pragma GCC unroll 8
+        for (int j = 0; j < NP; ++j) {
+            __m256 w0, w1;
+            WT::load(panel + (static_cast<int64_t>(j) * K + k) * PANEL, w0, w1);
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; ++i) {
+                const __m256 xv = _mm256_broadcast_ss(x + static_cast<int64_t>(i) * K + k);
+                acc[i][j][0] = _mm256_fmadd_ps(xv, w0, acc[i][j][0]);
+                acc[i][j][1] = _mm256_fmadd_ps(xv, w1, acc[i][j][1]);
+            }
         }
     }
+    alignas(32) float values[PANEL];
     for (int i = 0; i < MR; ++i)
-        for (int j = 0; j < nr; ++j) {
-            float s = hsum(acc[i][j]);
-            for (int k = k8; k < K; ++k) s += x[(int64_t)(m0 + i) * K + k] * scalar(w[(int64_t)(n0 + j) * K + k]);
-            out[(int64_t)(m0 + i) * N + n0 + j] = s + (bias ? bias[n0 + j] : 0.0f);
+        for (int j = 0; j < NP; ++j) {
+            WT::columns(acc[i][j][0], acc[i][j][1], values);
+            store_columns(p, m0 + i, (panel0 + j) * PANEL, values);
         }
 }
 
-template <int nr, typename W>
-inline void column_block(const float* x, const W* w, const float* bias, float* out, int K, int N, int m_begin,
-                         int m_end, int n0) {
-    int m = m_begin;
-    for (; m + 4 <= m_end; m += 4) tile<4, nr>(x, w, bias, out, K, N, m, n0);
-    switch (m_end - m) {
-        case 3: tile<3, nr>(x, w, bias, out, K, N, m, n0); break;
-        case 2: tile<2, nr>(x, w, bias, out, K, N, m, n0); break;
-        case 1: tile<1, nr>(x, w, bias, out, K, N, m, n0); break;
+// All rows of out against NP panels: 6-row tiles (12 accumulators), then the remaining rows.
+template <int NP, typename WT>
+inline void panel_group(const Problem& p, const typename WT::T* w, int panel0) {
+    int m = 0;
+    for (; m + 6 <= p.M; m += 6) tile<6, NP, WT>(p, w, m, panel0);
+    switch (p.M - m) {
+        case 5: tile<5, NP, WT>(p, w, m, panel0); break;
+        case 4: tile<4, NP, WT>(p, w, m, panel0); break;
+        case 3: tile<3, NP, WT>(p, w, m, panel0); break;
+        case 2: tile<2, NP, WT>(p, w, m, panel0); break;
+        case 1: tile<1, NP, WT>(p, w, m, panel0); break;
         default: break;
     }
 }
 
-template <typename W>
-void gemm(const float* x, const W* w, const float* bias, float* out, int M, int N, int K, int threads) {
-    // Rows of x per pass: keep the pass's slice of x (rows x K floats) within about 256 KiB of L2.
-    int m_chunk = (256 * 1024) / (4 * K);
-    m_chunk = m_chunk < 4 ? 4 : (m_chunk > 64 ? 64 : m_chunk & ~3);
-    const int n_tiles = N / NR;
-    const int n_tail = N - n_tiles * NR;
+template <int NP, typename WT>
+void run_groups(const Problem& p, const typename WT::T* w, int threads) {
+    const int panels = (p.N + PANEL - 1) / PANEL, groups = panels / NP;
 #pragma omp parallel num_threads(threads)
-    for (int m_begin = 0; m_begin < M; m_begin += m_chunk) {
-        const int m_end = m_begin + m_chunk < M ? m_begin + m_chunk : M;
+    {
+#pragma omp for schedule(static) nowait
+        for (int g = 0; g < groups; ++g) panel_group<NP, WT>(p, w, g * NP);
 #pragma omp for schedule(static)
-        for (int t = 0; t < n_tiles; ++t) column_block<NR>(x, w, bias, out, K, N, m_begin, m_end, t * NR);
-#pragma omp single
-        {
-            if (n_tail == 2) column_block<2>(x, w, bias, out, K, N, m_begin, m_end, n_tiles * NR);
-            if (n_tail == 1) column_block<1>(x, w, bias, out, K, N, m_begin, m_end, n_tiles * NR);
-        }
+        for (int q = groups * NP; q < panels; ++q) panel_group<1, WT>(p, w, q);
     }
+}
+
+// Few rows leave registers for more panels per tile: more independent FMA chains, fewer broadcasts.
+template <typename WT>
+void run(const Problem& p, const typename WT::T* w, int threads) {
+    switch (p.M) {
+        case 1: run_groups<4, WT>(p, w, threads); break;
+        case 2: run_groups<3, WT>(p, w, threads); break;
+        case 3: run_groups<2, WT>(p, w, threads); break;
+        default: run_groups<1, WT>(p, w, threads); break;
+    }
+}
+
+inline float load_scalar(const void* data, int dtype, int64_t i) {
+    return dtype == BF16 ? bf16_to_f32(static_cast<const uint16_t*>(data)[i]) : static_cast<const float*>(data)[i];
 }
 
 }  // namespace
 
-extern "C" {
-void gemm_bf16(const float* x, const uint16_t* w, const float* bias, float* out, int M, int N, int K, int threads) {
-    gemm(x, w, bias, out, M, N, K, threads);
-}
-void gemm_f32(const float* x, const float* w, const float* bias, float* out, int M, int N, int K, int threads) {
-    gemm(x, w, bias, out, M, N, K, threads);
-}
+extern "C" void gemm(const void* x, int x_dtype, const void* w, int w_dtype, const void* bias, int bias_dtype,
+                     void* out, int out_dtype, int M, int N, int K, int threads) {
+    std::vector<float> x32;
+    if (x_dtype == BF16) {
+        x32.resize(static_cast<size_t>(M) * K);
+        for (size_t i = 0; i < x32.size(); ++i) x32[i] = load_scalar(x, x_dtype, static_cast<int64_t>(i));
+    }
+    std::vector<float> bias32;
+    if (bias) {
+        bias32.resize(N);
+        for (int n = 0; n < N; ++n) bias32[n] = load_scalar(bias, bias_dtype, n);
+    }
+    const Problem p{x_dtype == BF16 ? x32.data() : static_cast<const float*>(x), bias ? bias32.data() : nullptr,
+                    out, out_dtype, M, N, K};
+    if (w_dtype == BF16) run<BF16Weights>(p, static_cast<const uint16_t*>(w), threads);
+    else run<F32Weights>(p, static_cast<const float*>(w), threads);
 }

@@ -5,11 +5,11 @@ Parameters are allocated uninitialised (the loader fills every one of them) in t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from mini_infer.model.linear import LinearBackend
 
 
 def empty_parameter(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -59,7 +59,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class SwiGLUMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, linear: LinearBackend, *, dtype: torch.dtype,
+    def __init__(self, hidden_size: int, intermediate_size: int, linear: Callable, *, dtype: torch.dtype,
                  device) -> None:
         super().__init__()
         self.linear = linear

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from mini_infer.config import ModelConfig
-from mini_infer.model.linear import LinearBackend
+from mini_infer.model.ops import Ops
 from mini_infer.model.qwen2 import Qwen2ForCausalLM
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some exporters write; we compute them
@@ -102,7 +102,8 @@ def load_weights(model: Qwen2ForCausalLM, config: ModelConfig, model_dir: Path) 
 
 
 def load_model(config: ModelConfig, model_dir: Path, *, dtype: torch.dtype, device: str, max_positions: int,
-               linear: LinearBackend) -> Qwen2ForCausalLM:
-    model = Qwen2ForCausalLM(config, dtype=dtype, device=device, max_positions=max_positions, linear=linear)
+               ops: Ops) -> Qwen2ForCausalLM:
+    model = Qwen2ForCausalLM(config, dtype=dtype, device=device, max_positions=max_positions, ops=ops)
     load_weights(model, config, model_dir)
+    ops.prepare(model.linear_weights())
     return model.eval()

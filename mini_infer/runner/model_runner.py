@@ -17,7 +17,7 @@ from mini_infer.config import EngineConfig
 from mini_infer.engine.kv_cache import KVCacheManager
 from mini_infer.engine.scheduler import SchedulerOutput
 from mini_infer.model.attention import AttentionMetadata
-from mini_infer.model.linear import select_linear_backend
+from mini_infer.model.ops import select_ops
 from mini_infer.model.loader import load_model
 from mini_infer.runner.sampler import Sampler, SamplerOutput
 
@@ -28,9 +28,9 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.kv_manager = kv_cache
         mc = config.model_config
-        self.linear_backend = select_linear_backend(config.linear_backend, config.torch_dtype, config.device)
+        self.ops = select_ops(config.cpu_kernels, config.torch_dtype, config.device)
         self.model = load_model(mc, Path(config.model), dtype=config.torch_dtype, device=config.device,
-                                max_positions=config.max_model_len, linear=self.linear_backend)
+                                max_positions=config.max_model_len, ops=self.ops)
         shape = (kv_cache.num_blocks, kv_cache.block_size, mc.num_key_value_heads, mc.head_dim)
         # Uninitialised: pages are committed as blocks are first written (zeroing gigabytes up front took
         # seconds here); attention never lets an unwritten slot reach its result.

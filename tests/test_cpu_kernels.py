@@ -1,0 +1,113 @@
+"""The native CPU kernels against float64 references: the matmul over every tile and tail shape, decode attention
+over paged caches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mini_infer.kernels import cpu
+
+# Only a CPU without AVX2 skips: anywhere else a kernel that fails to build must fail these tests.
+pytestmark = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+                                reason="the native kernels need AVX2 + FMA")
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = x.double() @ weight.double().T
+    return out + bias.double() if bias is not None else out
+
+
+# M covers 1-3 rows (several panels per tile), 6-row tiles and every remainder; N covers whole and partial
+# 16-column panels and panel groups with a remainder; K any length.
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows,cols,inner", [(1, 1, 1), (1, 7, 9), (1, 80, 64), (2, 50, 16), (3, 33, 8), (4, 2, 31),
+                                             (5, 10, 64), (6, 16, 5), (7, 11, 100), (9, 4, 7), (16, 896, 896),
+                                             (70, 13, 896), (130, 151, 40)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_float64_matmul(weight_dtype, rows, cols, inner, with_bias):
+    gen = torch.Generator().manual_seed(rows * 1000 + cols * 10 + inner)
+    x = torch.randn(rows, inner, generator=gen)
+    weight = torch.randn(cols, inner, generator=gen).to(weight_dtype)
+    bias = torch.randn(cols, generator=gen).to(weight_dtype) if with_bias else None
+    out = cpu.linear(x, cpu.pack_weight(weight), bias)
+    assert out.dtype == torch.float32 and out.shape == (rows, cols)
+    expected = reference(x, weight, bias)
+    # float32 accumulation over `inner` products: error grows like sqrt(inner) * eps * |terms|.
+    scale = (x.double().abs() @ weight.double().abs().T).max().item() + 1.0
+    assert (out.double() - expected).abs().max().item() <= 4e-7 * inner**0.5 * scale
+
+
+def test_bfloat16_activations_come_back_in_bfloat16():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(20, 64, generator=gen).to(torch.bfloat16)
+    out = cpu.linear(x, cpu.pack_weight(weight))
+    assert out.dtype == torch.bfloat16
+    expected = reference(x, weight, None)
+    torch.testing.assert_close(out.double(), expected.to(torch.bfloat16).double(), rtol=1e-2, atol=1e-2)
+
+
+def test_non_contiguous_input_is_read_correctly():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(64, 6, generator=gen).T  # [6, 64], transposed view
+    weight = torch.randn(5, 64, generator=gen)
+    torch.testing.assert_close(cpu.linear(x, cpu.pack_weight(weight)).double(), reference(x, weight, None), rtol=1e-5, atol=1e-5)
+
+
+def test_rejects_weights_it_cannot_read():
+    with pytest.raises(ValueError, match="packs 2-d CPU bfloat16/float32 weights"):
+        cpu.pack_weight(torch.randn(3, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="does not match a weight of 3 x 4"):
+        cpu.linear(torch.randn(2, 5), cpu.pack_weight(torch.randn(3, 4)))
+
+
+def test_build_failure_names_the_compiler_error(tmp_path, monkeypatch):
+    from mini_infer.kernels.build import KernelUnavailable, build_library
+
+    monkeypatch.setenv("MINI_INFER_CACHE", str(tmp_path))
+    source = tmp_path / "broken.cpp"
+    source.write_text("this is not C++\n")
+    with pytest.raises(KernelUnavailable, match="failed to build broken.cpp"):
+        build_library(source, ["-O1"])
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    with pytest.raises(KernelUnavailable, match="no C\\+\\+ compiler 'no-such-compiler'"):
+        build_library(source, ["-O1"])
+
+
+def reference_decode_attention(q, k_cache, v_cache, block_tables, context_lens):
+    """float64, request by request: gather the context through the block table, softmax(q k^T / sqrt(d)) v."""
+    num_reqs, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for r in range(num_reqs):
+        n = int(context_lens[r])
+        slots = block_tables[r, torch.arange(n) // block_size] * block_size + torch.arange(n) % block_size
+        keys = k_cache.reshape(-1, kv_heads, head_dim)[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+        values = v_cache.reshape(-1, kv_heads, head_dim)[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("hd,thd->ht", q[r].double(), keys) / head_dim**0.5
+        out[r] = torch.einsum("ht,thd->hd", scores.softmax(-1), values)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(4, 1, 16, 4), (14, 2, 64, 16), (6, 6, 12, 3)])
+def test_decode_attention_matches_float64(dtype, heads, kv_heads, head_dim, block_size):
+    gen = torch.Generator().manual_seed(heads * 100 + head_dim)
+    context_lens = torch.tensor([1, 5, block_size, 37, 2 * block_size + 1])
+    max_blocks = 40 // block_size + 1
+    num_blocks = len(context_lens) * max_blocks + 3
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    # Each request's blocks scattered over the pool; slots past a context hold NaN and must never be read.
+    block_tables = torch.randperm(num_blocks, generator=gen)[: len(context_lens) * max_blocks].view(-1, max_blocks)
+    for r, n in enumerate(context_lens.tolist()):
+        for t in range(n, max_blocks * block_size):
+            k_cache[block_tables[r, t // block_size], t % block_size] = float("nan")
+            v_cache[block_tables[r, t // block_size], t % block_size] = float("nan")
+    q = torch.randn(len(context_lens), heads, head_dim, generator=gen).to(dtype)
+    out = cpu.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens)
+    assert out.dtype == dtype and out.shape == q.shape
+    expected = reference_decode_attention(q, k_cache, v_cache, block_tables, context_lens)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bfloat16: the output is rounded to 8 mantissa bits
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
