@@ -99,7 +99,10 @@ inline void tile(const Problem& p, const typename WT::T* w, int m0, int panel0) 
         }
     }
     alignas(32) float values[PANEL];
+    // Unrolled like the loops above: with constant indices the accumulators never leave the registers.
+#pragma GCC unroll 8
     for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
         for (int j = 0; j < NP; ++j) {
             WT::columns(acc[i][j][0], acc[i][j][1], values);
             store_columns(p, m0 + i, (panel0 + j) * PANEL, values);
