@@ -1,4 +1,5 @@
-"""The `mini-infer` command: `make-model` writes a random-weight checkpoint, `generate` streams a completion."""
+"""The `mini-infer` command: `make-model` writes a random-weight checkpoint, `generate` streams a completion,
+`bench` compares mini-infer with HF transformers, `profile` breaks a decode step down."""
 
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ def resolve_model(model: str | None) -> str:
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    from mini_infer.bench.options import add_bench_args
+    from mini_infer.bench.profile import add_profile_parser
     from mini_infer.factory import PRESETS
 
     parser = argparse.ArgumentParser(prog="mini-infer", description=__doc__)
@@ -71,6 +74,11 @@ def _build_parser() -> argparse.ArgumentParser:
     for flag, (kind, _) in _SAMPLING_FLAGS.items():
         gen.add_argument(flag, type=kind, default=None, help="default: the model's generation_config.json")
     add_engine_args(gen)
+
+    bench = commands.add_parser("bench", help="output tokens/s of mini-infer and HF transformers on the same "
+                                              "prompts, weights and threads; writes a table, JSON and a PNG chart")
+    add_bench_args(bench)
+    add_profile_parser(commands)
     return parser
 
 
@@ -79,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "make-model":
             return _make_model(args)
+        if args.command == "bench":
+            return _bench(args)
+        if args.command == "profile":
+            from mini_infer.bench.profile import run_profile
+
+            return run_profile(args)
         return _generate(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"mini-infer: error: {e}", file=sys.stderr)
@@ -90,6 +104,15 @@ def _make_model(args) -> int:
 
     path = make_model(args.preset, args.out, seed=args.seed, dtype=args.dtype)
     print(f"wrote the {args.preset} preset with random weights (seed {args.seed}, {args.dtype}) to {path}")
+    return 0
+
+
+def _bench(args) -> int:
+    from mini_infer.bench.options import BenchOptions
+    from mini_infer.bench.run import run_bench
+
+    options = BenchOptions.from_args(args)
+    run_bench(options, resolve_model(options.model))
     return 0
 
 

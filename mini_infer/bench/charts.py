@@ -1,0 +1,72 @@
+"""PNG charts of a benchmark report (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mini_infer.bench.roofline import Ceilings, DecodeCost, roofline
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def throughput_chart(report: dict, path: Path) -> None:
+    """Output tokens/s against batch size: each system's median with its min-max range, the roofline dashed
+    (drawn at every batch size in the range, so its knee shows)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    sizes = report["config"]["batch_sizes"]
+    cost, ceilings = DecodeCost(**report["decode_cost"]), Ceilings(**report["ceilings"])
+    line = [roofline(cost, ceilings, b) for b in range(sizes[0], sizes[-1] + 1)]
+    ax.plot([p.batch_size for p in line], [p.tok_s for p in line], "k--", label="roofline")
+    for name, system in report["systems"].items():
+        results = system["results"]
+        if not results:
+            continue
+        medians = [r["tok_s"]["median"] for r in results]
+        spread = [[m - r["tok_s"]["min"] for m, r in zip(medians, results)],
+                  [r["tok_s"]["max"] - m for m, r in zip(medians, results)]]
+        ax.errorbar([r["batch_size"] for r in results], medians, yerr=spread, marker="o", capsize=3, label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(sizes, [str(b) for b in sizes])
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("output tokens / s")
+    config = report["config"]
+    ax.set_title(f"{Path(config['model']).name}, {config['dtype']}, {config['prompt_len']} prompt + "
+                 f"{config['max_new_tokens']} new tokens, {report['machine']['torch_threads']} threads", fontsize=9)
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def workload_chart(report: dict, path: Path) -> None:
+    """Output tokens/s per system, beside request latency p50 and p99."""
+    plt = _pyplot()
+    ran = {name: s["summary"] for name, s in report["systems"].items() if s["summary"] is not None}
+    fig, (rate_ax, latency_ax) = plt.subplots(1, 2, figsize=(9, 4))
+    names = list(ran)
+    rate_ax.bar(names, [ran[n]["output_tok_s"]["median"] for n in names], color="tab:blue")
+    rate_ax.set_ylabel("output tokens / s")
+    positions = range(len(names))
+    latency_ax.bar([p - 0.2 for p in positions], [ran[n]["latency_p50_s"]["median"] for n in names], 0.4,
+                   label="p50")
+    latency_ax.bar([p + 0.2 for p in positions], [ran[n]["latency_p99_s"]["median"] for n in names], 0.4,
+                   label="p99")
+    latency_ax.set_xticks(list(positions), names)
+    latency_ax.set_ylabel("request latency (s)")
+    latency_ax.legend()
+    config = report["config"]
+    fig.suptitle(f"random workload: {config['num_requests']} requests, {Path(config['model']).name}, "
+                 f"{config['dtype']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,99 @@
+"""`mini-infer bench` flags, parsed and validated into BenchOptions (a ValueError names the bad flag)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from mini_infer.bench.systems import SYSTEM_NAMES as SYSTEMS
+
+WORKLOADS = ("fixed", "random")
+DTYPES = ("bfloat16", "float32")
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", choices=WORKLOADS, default="fixed",
+                        help="fixed: a sweep over batch sizes, every request the same length; random: requests of "
+                             "random lengths, all submitted at once")
+    parser.add_argument("--model", default=None, help="local HF-format model directory (default: the random-weight "
+                                                      "qwen2.5-0.5b preset)")
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of " + ", ".join(SYSTEMS))
+    parser.add_argument("--reps", type=int, default=None, help="timed runs per setting (default 3 fixed, 1 random)")
+    parser.add_argument("--out", default=None, help="results folder (default bench-results/<timestamp>)")
+    fixed = parser.add_argument_group("fixed workload")
+    fixed.add_argument("--batch-sizes", default="1,8", help="comma list")
+    fixed.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request")
+    # 32 keeps the default run near 5 minutes on 2 cores, where HF's bf16 takes ~0.6 s a step at batch 8.
+    fixed.add_argument("--max-new-tokens", type=int, default=32, help="new tokens per request")
+    fixed.add_argument("--warmup-tokens", type=int, default=8, help="new tokens per request in the warm-up run")
+    random = parser.add_argument_group("random workload")
+    random.add_argument("--num-requests", type=int, default=64)
+    random.add_argument("--input-len-range", default="16,256", help="LOW,HIGH prompt tokens (inclusive)")
+    random.add_argument("--output-len-range", default="16,128", help="LOW,HIGH output tokens (inclusive)")
+    random.add_argument("--batch-size", type=int, default=8, help="hf-generate's static batch size")
+    random.add_argument("--seed", type=int, default=0)
+
+
+@dataclass(frozen=True, slots=True)
+class BenchOptions:
+    workload: str
+    model: str | None
+    dtype: str
+    systems: tuple[str, ...]
+    reps: int
+    out: Path
+    batch_sizes: tuple[int, ...]
+    prompt_len: int
+    max_new_tokens: int
+    warmup_tokens: int
+    num_requests: int
+    input_len_range: tuple[int, int]
+    output_len_range: tuple[int, int]
+    batch_size: int
+    seed: int
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> BenchOptions:
+        systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+        if not systems or any(s not in SYSTEMS for s in systems) or len(set(systems)) != len(systems):
+            raise ValueError(f"--systems must be a comma list of distinct names from {', '.join(SYSTEMS)}, "
+                             f"got {args.systems!r}")
+        reps = args.reps if args.reps is not None else (3 if args.workload == "fixed" else 1)
+        for flag, value in (("--reps", reps), ("--prompt-len", args.prompt_len),
+                            ("--max-new-tokens", args.max_new_tokens), ("--warmup-tokens", args.warmup_tokens),
+                            ("--num-requests", args.num_requests), ("--batch-size", args.batch_size)):
+            _at_least_one(flag, value)
+        out = Path(args.out) if args.out else Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
+        batch_sizes = tuple(sorted(set(_int_list("--batch-sizes", args.batch_sizes))))
+        return cls(workload=args.workload, model=args.model, dtype=args.dtype,
+                   systems=tuple(s for s in SYSTEMS if s in systems), reps=reps, out=out,
+                   batch_sizes=batch_sizes, prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens,
+                   warmup_tokens=args.warmup_tokens,
+                   num_requests=args.num_requests, input_len_range=_range("--input-len-range", args.input_len_range),
+                   output_len_range=_range("--output-len-range", args.output_len_range),
+                   batch_size=args.batch_size, seed=args.seed)
+
+
+def _at_least_one(flag: str, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{flag} must be >= 1, got {value}")
+
+
+def _int_list(flag: str, text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} must be a comma list of integers >= 1, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise ValueError(f"{flag} must be a comma list of integers >= 1, got {text!r}")
+    return values
+
+
+def _range(flag: str, text: str) -> tuple[int, int]:
+    values = _int_list(flag, text)
+    if len(values) != 2 or values[0] > values[1]:
+        raise ValueError(f"{flag} must be LOW,HIGH with 1 <= LOW <= HIGH, got {text!r}")
+    return values

@@ -1,0 +1,184 @@
+"""`mini-infer profile`: where the time of one decode step at batch B goes, from the engine's
+record_function ranges (input_prep, forward with kv_write / attention / lm_head, sampling, scheduler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from torch.profiler import ProfilerActivity, profile
+
+from mini_infer.sampling_params import RequestOutputKind, SamplingParams
+
+# Ranges the engine labels; "forward" encloses kv_write, attention and lm_head, the rest are disjoint.
+_LABELS = ("scheduler", "input_prep", "forward", "kv_write", "attention", "lm_head", "sampling")
+ROWS = ("input preparation", "KV write", "attention", "rest of forward", "LM head", "sampling",
+        "scheduler / bookkeeping", "other")
+
+
+def add_profile_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the `profile` subcommand (its own options plus the engine's)."""
+    from mini_infer.entrypoints.cli import add_engine_args
+
+    parser = subparsers.add_parser("profile", help="break one decode step at batch B down by component")
+    parser.add_argument("--batch-size", type=int, default=8, help="requests decoding together")
+    parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request")
+    parser.add_argument("--decode-steps-before", type=int, default=64,
+                        help="decode steps run before timing, so the context is realistic")
+    parser.add_argument("--steps", type=int, default=5, help="decode steps measured (the mean is reported)")
+    parser.add_argument("--out", default=None, help="directory for profile.json and profile.txt")
+    parser.add_argument("--trace", action="store_true", help="also write a Chrome trace (trace.json) to --out")
+    add_engine_args(parser)
+    return parser
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    """Build the engine from the parsed flags, profile its decode step, print the table (and write --out)."""
+    from mini_infer.engine.llm_engine import LLMEngine
+    from mini_infer.entrypoints.cli import engine_kwargs, resolve_model
+
+    if args.trace and args.out is None:
+        raise ValueError("--trace needs --out (the directory the trace is written to)")
+    engine = LLMEngine.from_args(resolve_model(args.model), **engine_kwargs(args))
+    out_dir = Path(args.out) if args.out is not None else None
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    result = profile_decode_step(engine, args.batch_size, prompt_len=args.prompt_len,
+                                 decode_steps_before=args.decode_steps_before, steps=args.steps,
+                                 trace_path=out_dir / "trace.json" if args.trace else None)
+    table = format_table(result)
+    print(table)
+    if out_dir is not None:
+        (out_dir / "profile.json").write_text(json.dumps(result, indent=2) + "\n")
+        (out_dir / "profile.txt").write_text(table + "\n")
+    return 0
+
+
+def profile_decode_step(engine, batch_size: int, *, prompt_len: int = 32, decode_steps_before: int = 64,
+                        steps: int = 5, trace_path: Path | None = None) -> dict:
+    """Bring `batch_size` requests into decode, time `steps` decode steps plain and then under the profiler,
+    and return the per-step component breakdown (ms and % of the profiled step). The requests are aborted after."""
+    _check_sizes(engine, batch_size, prompt_len, decode_steps_before, steps)
+    max_tokens = 1 + decode_steps_before + 2 * steps
+    requests = _start_batch(engine, batch_size, prompt_len, max_tokens)
+    try:
+        for _ in range(decode_steps_before):
+            _decode_step(engine, requests)
+        unprofiled = [_decode_step(engine, requests) for _ in range(steps)]
+        context_len = requests[0].num_tokens
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            profiled = [_decode_step(engine, requests) for _ in range(steps)]
+    finally:
+        _release(engine, requests)
+    if trace_path is not None:
+        prof.export_chrome_trace(str(trace_path))
+    step_ms = 1000 * statistics.fmean(profiled)
+    config = engine.config
+    return {
+        "model": str(config.model), "dtype": str(config.torch_dtype).removeprefix("torch."),
+        "device": str(config.device), "batch_size": batch_size, "prompt_len": prompt_len,
+        "decode_steps_before": decode_steps_before, "context_len": context_len, "steps": steps,
+        "step_ms": step_ms, "unprofiled_step_ms": 1000 * statistics.fmean(unprofiled),
+        "rows": _component_rows(_label_totals_ms(prof.events(), steps), step_ms),
+    }
+
+
+def _check_sizes(engine, batch_size: int, prompt_len: int, decode_steps_before: int, steps: int) -> None:
+    for name, value, low in (("batch_size", batch_size, 1), ("prompt_len", prompt_len, 1),
+                             ("decode_steps_before", decode_steps_before, 0), ("steps", steps, 1)):
+        if value < low:
+            raise ValueError(f"{name} must be >= {low}, got {value}")
+    if batch_size > engine.config.max_num_seqs:
+        raise ValueError(f"batch_size ({batch_size}) exceeds max_num_seqs ({engine.config.max_num_seqs}); "
+                         "raise --max-num-seqs")
+    kv = engine.kv_cache
+    needed = batch_size * kv.blocks_for(prompt_len + 1 + decode_steps_before + 2 * steps)
+    if needed > kv.num_blocks:
+        raise ValueError(f"{batch_size} requests of {prompt_len} prompt tokens decoding "
+                         f"{1 + decode_steps_before + 2 * steps} tokens need {needed} KV blocks but the cache has "
+                         f"{kv.num_blocks}; raise --num-kv-blocks / --kv-cache-memory-gb or shrink the batch")
+
+
+def _start_batch(engine, batch_size: int, prompt_len: int, max_tokens: int) -> list:
+    """Add the requests (token-id prompts, greedy) and step until every one has been prefilled."""
+    if engine.has_unfinished_requests():
+        raise ValueError("profile needs an idle engine; this one has unfinished requests")
+    params = SamplingParams(temperature=0, repetition_penalty=1.0, ignore_eos=True, max_tokens=max_tokens,
+                            output_kind=RequestOutputKind.DELTA)
+    vocab = engine.config.model_config.vocab_size
+    for i in range(batch_size):
+        prompt = [(1000 + 7919 * i + 31 * j) % vocab for j in range(prompt_len)]
+        engine.add_request(f"profile-{i}", prompt, params)
+    requests = [engine.requests[f"profile-{i}"] for i in range(batch_size)]
+    for _ in range(batch_size):  # each prefill step admits at least one request unless something is too small
+        if not engine.scheduler.waiting:
+            break
+        engine.step()
+    if engine.scheduler.waiting or any(r.num_output_tokens != 1 for r in requests):
+        _release(engine, requests)
+        raise ValueError(f"could not bring all {batch_size} requests into the decode phase together; "
+                         "raise --num-kv-blocks / --kv-cache-memory-gb or --max-num-batched-tokens")
+    return requests
+
+
+def _release(engine, requests: list) -> None:
+    engine.abort_request([r.request_id for r in requests])
+    engine.step()  # hands back the abort outputs, leaving the engine idle
+
+
+def _decode_step(engine, requests: list) -> float:
+    """One engine step, checked to be a decode step of exactly these requests; returns its wall time (s)."""
+    scheduler = engine.scheduler
+    if scheduler.waiting or len(scheduler.running) != len(requests):
+        raise ValueError(f"expected a decode step of {len(requests)} requests but {len(scheduler.running)} are "
+                         f"running and {len(scheduler.waiting)} waiting (is the KV cache too small?)")
+    before = [r.num_output_tokens for r in requests]
+    preemptions = scheduler.num_preemptions
+    start = time.perf_counter()
+    engine.step()
+    elapsed = time.perf_counter() - start
+    if scheduler.num_preemptions != preemptions or any(r.num_output_tokens != n + 1
+                                                        for r, n in zip(requests, before)):
+        raise ValueError(f"a step was not a decode step of all {len(requests)} requests "
+                         "(a request was preempted: the KV cache is too small)")
+    return elapsed
+
+
+def _label_totals_ms(events, steps: int) -> dict[str, float]:
+    """Mean ms per step of every labelled range, summed over its occurrences (one per layer for kv_write and
+    attention, two per step for scheduler); each occurrence counts its whole span, children included."""
+    totals = dict.fromkeys(_LABELS, 0.0)
+    for event in events:
+        if event.name in totals:
+            totals[event.name] += event.cpu_time_total / 1000
+    return {label: total / steps for label, total in totals.items()}
+
+
+def _component_rows(label_ms: dict[str, float], step_ms: float) -> list[dict]:
+    """The table's rows; by construction they add up to the step time."""
+    forward_parts = label_ms["kv_write"] + label_ms["attention"] + label_ms["lm_head"]
+    top_level = label_ms["input_prep"] + label_ms["forward"] + label_ms["sampling"] + label_ms["scheduler"]
+    values = (label_ms["input_prep"], label_ms["kv_write"], label_ms["attention"],
+              label_ms["forward"] - forward_parts, label_ms["lm_head"], label_ms["sampling"],
+              label_ms["scheduler"], step_ms - top_level)
+    return [{"name": name, "ms": ms, "percent": 100 * ms / step_ms} for name, ms in zip(ROWS, values)]
+
+
+def format_table(result: dict) -> str:
+    """Plain-text table of the breakdown, with the run's settings and the profiler-overhead caveat."""
+    head = (f"decode step: batch {result['batch_size']}, context {result['context_len']} tokens, "
+            f"{result['dtype']} on {result['device']}, mean of {result['steps']} steps")
+    width = max(len(name) for name in ROWS + ("step total",))
+    lines = [head, "", f"{'component':<{width}}  {'ms/step':>9}  {'% step':>7}", "-" * (width + 20)]
+    for row in result["rows"]:
+        lines.append(f"{row['name']:<{width}}  {row['ms']:>9.3f}  {row['percent']:>6.1f}%")
+    caveat = (f"without the profiler: {result['unprofiled_step_ms']:.3f} ms/step (the profiler's per-op "
+              "recording adds the difference; read the rows as shares of the step)")
+    lines += ["-" * (width + 20), f"{'step total':<{width}}  {result['step_ms']:>9.3f}  {100.0:>6.1f}%", "", caveat]
+    if result["device"] != "cpu":
+        lines.append("CPU-side ranges only: asynchronous accelerator work is counted where the host waits for it")
+    return "\n".join(lines)

@@ -1,0 +1,100 @@
+"""Machine ceilings (matmul GFLOP/s, memory read GB/s), measured in-process, and the decode roofline they set.
+
+A decode step reads every weight once and does 2 FLOPs per linear parameter per sequence, so its time is at
+least max(weight bytes / read bandwidth, FLOPs / compute peak). KV-cache reads and attention FLOPs are left
+out: they are small next to the weights at these context lengths, and leaving them out keeps it a bound.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from mini_infer.config import ModelConfig
+
+FP32_MATMUL_SIZE = 2048
+# CPUs without native bf16/fp16 units run torch's low-precision matmul on a slow path (a 2048-square bf16
+# product can take a minute), so those dtypes are measured on a smaller square.
+LOW_PRECISION_MATMUL_SIZE = 512
+READ_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class Ceilings:
+    matmul_gflops: dict[str, float]  # dtype name -> best measured torch.mm rate
+    matmul_sizes: dict[str, int]  # dtype name -> side of the square matrices
+    compute_peak_gflops: float
+    compute_peak_source: str  # the dtype whose matmul sets the peak
+    read_gbs: float
+
+
+def _best_seconds(fn, reps: int) -> float:
+    fn()  # warm-up: first-touch page faults, kernel selection
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_matmul_gflops(dtype: torch.dtype, size: int, reps: int = 3) -> float:
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    return 2 * size**3 / _best_seconds(lambda: torch.mm(a, b), reps) / 1e9
+
+
+def measure_read_gbs(num_bytes: int = READ_BYTES, reps: int = 5) -> float:
+    data = torch.ones(num_bytes // 4, dtype=torch.float32)
+    return num_bytes / _best_seconds(data.sum, reps) / 1e9
+
+
+def measure_ceilings(dtype: torch.dtype) -> Ceilings:
+    """Compute peak at `dtype`; for a narrower dtype it is max(its own matmul, fp32 matmul), because its data
+    can always be widened and computed with fp32 FMAs."""
+    name = str(dtype).removeprefix("torch.")
+    rates = {"float32": measure_matmul_gflops(torch.float32, FP32_MATMUL_SIZE)}
+    sizes = {"float32": FP32_MATMUL_SIZE}
+    if dtype != torch.float32:
+        rates[name] = measure_matmul_gflops(dtype, LOW_PRECISION_MATMUL_SIZE)
+        sizes[name] = LOW_PRECISION_MATMUL_SIZE
+    source = max(rates, key=rates.get)
+    return Ceilings(matmul_gflops=rates, matmul_sizes=sizes, compute_peak_gflops=rates[source],
+                    compute_peak_source=source, read_gbs=measure_read_gbs())
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeCost:
+    """What one decode step must read and multiply, whatever the batch size."""
+
+    weight_bytes: int  # every layer weight and bias, the final norm and the LM head
+    matmul_params: int  # parameters of every linear in the layers, plus the LM head
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, itemsize: int) -> DecodeCost:
+        """A tied head counts once (as the LM head); an untied embedding is left out, as a step reads only
+        its batch's rows of it."""
+        hidden, layers = config.hidden_size, config.num_hidden_layers
+        q_size = config.num_attention_heads * config.head_dim
+        kv_size = config.num_key_value_heads * config.head_dim
+        linear = hidden * (q_size + 2 * kv_size) + q_size * hidden + 3 * hidden * config.intermediate_size
+        biases, norms = q_size + 2 * kv_size, 2 * hidden
+        head = config.vocab_size * hidden
+        weights = layers * (linear + biases + norms) + hidden + head
+        return cls(weight_bytes=weights * itemsize, matmul_params=layers * linear + head)
+
+
+@dataclass(frozen=True, slots=True)
+class RooflinePoint:
+    batch_size: int
+    step_s: float
+    tok_s: float
+    bound: str  # "memory" or "compute"
+
+
+def roofline(cost: DecodeCost, ceilings: Ceilings, batch_size: int) -> RooflinePoint:
+    memory_s = cost.weight_bytes / (ceilings.read_gbs * 1e9)
+    compute_s = 2 * cost.matmul_params * batch_size / (ceilings.compute_peak_gflops * 1e9)
+    step_s = max(memory_s, compute_s)
+    return RooflinePoint(batch_size, step_s, batch_size / step_s, "memory" if memory_s >= compute_s else "compute")

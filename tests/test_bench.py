@@ -1,0 +1,177 @@
+"""`mini-infer bench`: both workloads end to end on the tiny model, the roofline arithmetic, output counting,
+the prompts, and that every system decodes the same greedy tokens."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mini_infer.bench.hf import left_pad
+from mini_infer.bench.prompts import TEXTS, fixed_prompts, load_stream, random_requests
+from mini_infer.bench.report import percentile
+from mini_infer.bench.roofline import Ceilings, DecodeCost, roofline
+from mini_infer.bench.systems import SYSTEM_NAMES, RunResult, SystemFactory, count_output_tokens
+from mini_infer.config import ModelConfig
+from mini_infer.entrypoints.cli import main
+from mini_infer.factory import PRESETS, parameter_count
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _check_system_entry(name: str, system: dict) -> bool:
+    """True when the system ran; a skipped one must say why (only hf-continuous may be skipped)."""
+    if system["reason"] is not None:
+        assert name == "hf-continuous" and system["reason"].strip()
+        return False
+    return True
+
+
+def test_fixed_workload_writes_table_json_and_chart(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "results"
+    assert main(["bench", "--model", str(tiny_model_dir), "--dtype", "float32", "--batch-sizes", "1,2",
+                 "--max-new-tokens", "4", "--reps", "1", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "% roofline" in printed and "roofline (" in printed and "vs hf-generate" in printed
+    report = json.loads((out / "fixed.json").read_text())
+    machine = report["machine"]
+    assert machine["torch_threads"] >= 1 and "avx512_bf16" in machine["cpu_flags"] and machine["load_average_1m"] >= 0
+    assert set(report["versions"]) == {"python", "torch", "transformers", "mini_infer"}
+    assert report["ceilings"]["compute_peak_gflops"] > 0 and report["ceilings"]["read_gbs"] > 0
+    assert [p["batch_size"] for p in report["roofline"]] == [1, 2]
+    assert all(p["tok_s"] > 0 for p in report["roofline"])
+    assert set(report["systems"]) == set(SYSTEM_NAMES)
+    for name, system in report["systems"].items():
+        if not _check_system_entry(name, system):
+            continue
+        assert [r["batch_size"] for r in system["results"]] == [1, 2]
+        for result in system["results"]:
+            assert result["expected_output_tokens"] == result["batch_size"] * 4
+            assert [run["output_tokens"] for run in result["runs"]] == [result["batch_size"] * 4]
+            assert all(run["wall_s"] > 0 for run in result["runs"])
+            assert result["tok_s"]["median"] > 0 and result["pct_of_roofline"] > 0
+            assert result["speedup_vs_hf_generate"] > 0
+        assert name in printed
+    assert (out / "fixed.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_random_workload_writes_table_json_and_chart(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "results"
+    assert main(["bench", "--workload", "random", "--model", str(tiny_model_dir), "--dtype", "float32",
+                 "--num-requests", "4", "--input-len-range", "4,12", "--output-len-range", "2,6",
+                 "--batch-size", "2", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "p99 latency" in printed and "output tok/s" in printed
+    report = json.loads((out / "random.json").read_text())
+    requests = report["requests"]
+    assert len(requests["input_lens"]) == 4 and all(4 <= n <= 12 for n in requests["input_lens"])
+    assert all(2 <= n <= 6 for n in requests["output_lens"])
+    assert requests["output_tokens"] == sum(requests["output_lens"])
+    for name, system in report["systems"].items():
+        if not _check_system_entry(name, system):
+            continue
+        (run,) = system["runs"]
+        assert run["output_tokens"] == requests["output_tokens"]
+        assert len(run["latencies_s"]) == 4 and all(0 < t <= run["wall_s"] for t in run["latencies_s"])
+        assert 0 < run["latency_p50_s"] <= run["latency_p99_s"]
+        assert 0 < run["output_tok_s"] < run["total_tok_s"]
+        assert system["summary"]["speedup_vs_hf_generate"] > 0
+    assert (out / "random.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_every_system_decodes_the_same_greedy_tokens(tiny_model_dir):
+    """Same prompts, plain greedy, EOS ignored, each request its own length (HF batches left-padded)."""
+    requests = random_requests(load_stream(tiny_model_dir), 5, (3, 20), (2, 9), seed=1)
+    factory = SystemFactory(str(tiny_model_dir), "float32", max_requests=5, max_seq_len=29, static_batch_size=2)
+    outputs = {}
+    for name in SYSTEM_NAMES:
+        system = factory.build(name)
+        outputs[name] = system.run(requests.prompts, requests.output_lens).token_ids
+        system.close()
+    assert [len(ids) for ids in outputs["mini-infer"]] == requests.output_lens
+    assert outputs["hf-generate"] == outputs["mini-infer"] == outputs["hf-continuous"]
+
+
+def _fake_config(tie: bool) -> ModelConfig:
+    return ModelConfig(hidden_size=4, intermediate_size=8, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=2, vocab_size=10, rms_norm_eps=1e-6, rope_theta=1e4,
+                       tie_word_embeddings=tie, max_position_embeddings=64, torch_dtype="bfloat16")
+
+
+def test_roofline_by_hand():
+    # Per layer: q 4x4 + k, v 4x2 each + o 4x4 + gate, up, down 4x8 each = 144 linear params; biases 4+2+2,
+    # norms 2x4. Head 10x4. Matmul params 2*144 + 40 = 328; weights 2*(144+8+8) + final norm 4 + 40 = 364.
+    cost = DecodeCost.from_config(_fake_config(tie=True), itemsize=2)
+    assert cost == DecodeCost(weight_bytes=728, matmul_params=328)
+    assert DecodeCost.from_config(_fake_config(tie=False), itemsize=2) == cost  # untied embedding: B rows only
+    # 728 bytes at 728 B/s is 1 s per step; 2*328 FLOPs per sequence at 656 FLOP/s is 1 s per sequence.
+    ceilings = Ceilings(matmul_gflops={"float32": 656e-9}, matmul_sizes={"float32": 1},
+                        compute_peak_gflops=656e-9, compute_peak_source="float32", read_gbs=728e-9)
+    one, four = roofline(cost, ceilings, 1), roofline(cost, ceilings, 4)
+    assert (one.step_s, one.tok_s, one.bound) == pytest.approx((1.0, 1.0, "memory"))
+    assert (four.step_s, four.tok_s, four.bound) == pytest.approx((4.0, 1.0, "compute"))
+
+
+def test_decode_cost_reads_every_parameter_once():
+    tied = PRESETS["qwen2.5-0.5b"]
+    cost = DecodeCost.from_config(ModelConfig.from_dict(tied), itemsize=2)
+    assert cost.weight_bytes == 2 * parameter_count(tied)  # the tied embedding is the head
+    untied = {**PRESETS["tiny"], "tie_word_embeddings": False}
+    embedding = untied["vocab_size"] * untied["hidden_size"]
+    assert DecodeCost.from_config(ModelConfig.from_dict(untied), 4).weight_bytes == 4 * (parameter_count(untied)
+                                                                                          - embedding)
+
+
+def test_output_tokens_are_the_generated_ids_of_every_request():
+    assert count_output_tokens([[1, 2, 3], [4], []]) == 4
+    assert RunResult(token_ids=[[5, 6], [7, 8]], finish_s=[0.1, 0.2], wall_s=0.2).output_tokens == 4
+
+
+def test_left_pad_puts_prompts_on_the_right():
+    input_ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0)
+    assert input_ids.tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_percentile_interpolates_between_ranks():
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 99) == pytest.approx(4.96)
+    assert percentile([7.0], 99) == 7.0
+
+
+def test_prompts_are_real_text_cut_to_length(tiny_model_dir):
+    stream = load_stream(tiny_model_dir)
+    prompts = fixed_prompts(stream, len(TEXTS) + 1, prompt_len=32)
+    assert all(len(p) == 32 for p in prompts)
+    assert len({tuple(p) for p in prompts}) == len(TEXTS)  # cycles through the texts
+    assert prompts[-1] == prompts[0] and prompts[1][0] == stream.token_ids[stream.text_starts[1]]
+    first = random_requests(stream, 8, (16, 256), (16, 128), seed=3)
+    assert first == random_requests(stream, 8, (16, 256), (16, 128), seed=3)
+    assert all(16 <= len(p) <= 256 for p in first.prompts) and all(16 <= n <= 128 for n in first.output_lens)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--batch-sizes", "1,0"], "--batch-sizes must be"),
+    (["--systems", "mini-infer,vllm"], "--systems must be"),
+    (["--workload", "random", "--input-len-range", "9,3"], "--input-len-range must be LOW,HIGH"),
+    (["--reps", "0"], "--reps must be >= 1"),
+])
+def test_bad_flags_exit_with_a_message_naming_the_flag(flags, message, capsys):
+    assert main(["bench", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_of_mini_infer_alone_loads_no_transformers_modeling_code(tiny_model_dir, tmp_path):
+    script = f"""
+import sys
+from mini_infer.entrypoints.cli import main
+assert main(["bench", "--model", {str(tiny_model_dir)!r}, "--dtype", "float32", "--systems", "mini-infer",
+             "--batch-sizes", "1", "--max-new-tokens", "2", "--reps", "1", "--out", {str(tmp_path)!r}]) == 0
+print("\\n".join(m for m in sys.modules if m.startswith("transformers")))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    modules = result.stdout.split()
+    assert [m for m in modules if "modeling" in m or m.startswith("transformers.generation")] == []
+    assert (tmp_path / "fixed.json").is_file()

@@ -1,0 +1,66 @@
+"""`mini-infer profile`: the decode-step breakdown on the tiny model (no timing comparisons)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from mini_infer.bench.profile import ROWS, add_profile_parser, profile_decode_step, run_profile
+
+TINY = ["--batch-size", "2", "--prompt-len", "4", "--decode-steps-before", "2", "--steps", "2"]
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_profile_parser(parser.add_subparsers())
+    return parser.parse_args(["profile", *argv])
+
+
+def _check_breakdown(result: dict) -> None:
+    rows = {row["name"]: row for row in result["rows"]}
+    assert list(rows) == list(ROWS)
+    assert all(row["ms"] >= 0 for row in rows.values())
+    assert sum(row["ms"] for row in rows.values()) == pytest.approx(result["step_ms"], abs=1e-9)
+    assert sum(row["percent"] for row in rows.values()) == pytest.approx(100.0, abs=1e-9)
+    labelled = ("input preparation", "KV write", "attention", "rest of forward", "LM head", "sampling",
+                "scheduler / bookkeeping")
+    assert all(rows[name]["ms"] > 0 for name in labelled), rows
+    assert result["step_ms"] > 0 and result["unprofiled_step_ms"] > 0
+
+
+def test_profile_prints_every_row_and_writes_json(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "prof"
+    args = _parse([*TINY, "--model", str(tiny_model_dir), "--dtype", "float32", "--out", str(out), "--trace"])
+    assert run_profile(args) == 0
+    printed = capsys.readouterr().out
+    assert all(name in printed for name in ROWS)
+    assert "step total" in printed and "without the profiler" in printed
+    result = json.loads((out / "profile.json").read_text())
+    assert (result["batch_size"], result["steps"], result["dtype"]) == (2, 2, "float32")
+    # 4 prompt tokens + the prefill's token + 2 warm-up + 2 unprofiled decode steps precede the profiled ones
+    assert result["context_len"] == 9
+    _check_breakdown(result)
+    assert (out / "profile.txt").read_text().strip() == printed.strip()
+    assert json.loads((out / "trace.json").read_text())["traceEvents"]
+
+
+def test_profile_decode_step_leaves_the_engine_idle(tiny_model_dir):
+    from mini_infer import LLMEngine
+
+    engine = LLMEngine.from_args(str(tiny_model_dir), dtype="float32")
+    result = profile_decode_step(engine, 3, prompt_len=5, decode_steps_before=1, steps=2)
+    _check_breakdown(result)
+    assert not engine.has_unfinished_requests() and engine.kv_cache_usage() == 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-num-seqs", "1"], "exceeds max_num_seqs"),
+    (["--num-kv-blocks", "1"], "KV blocks"),
+    (["--steps", "0"], "steps must be >= 1"),
+])
+def test_profile_refuses_sizes_it_cannot_measure(tiny_model_dir, flags, message):
+    args = _parse([*TINY, "--model", str(tiny_model_dir), "--dtype", "float32", *flags])
+    with pytest.raises(ValueError, match=message):
+        run_profile(args)
