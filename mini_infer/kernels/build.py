@@ -21,12 +21,14 @@ class KernelUnavailable(RuntimeError):
     """The kernel cannot be built or run on this machine; the message says why."""
 
 
-def build_library(source: Path, flags: list[str]) -> ctypes.CDLL:
+def build_library(source: Path, flags: list[str], headers: tuple[Path, ...] = ()) -> ctypes.CDLL:
+    """headers: the local headers the source includes (part of the cache key)."""
     compiler = os.environ.get("CXX", "g++")
     if shutil.which(compiler) is None:
         raise KernelUnavailable(f"no C++ compiler {compiler!r} on PATH (set CXX)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    digest = hashlib.sha256("\0".join([source.read_text(), *flags, version]).encode()).hexdigest()[:16]
+    texts = [path.read_text() for path in (source, *headers)]
+    digest = hashlib.sha256("\0".join([*texts, *flags, version]).encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"{source.stem}-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)

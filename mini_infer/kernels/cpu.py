@@ -34,7 +34,8 @@ def _function(source: str):
     if capability not in ("AVX2", "AVX512"):
         raise KernelUnavailable(f"the CPU lacks AVX2 + FMA (torch reports {capability})")
     name, argtypes = _SIGNATURES[source]
-    function = getattr(build_library(Path(__file__).with_name(source), FLAGS), name)
+    here = Path(__file__).parent
+    function = getattr(build_library(here / source, FLAGS, headers=(here / "bf16.h",)), name)
     function.argtypes, function.restype = argtypes, None
     return function
 

@@ -11,24 +11,12 @@
 
 #include <vector>
 
+#include "bf16.h"
+
 namespace {
 
 enum DType : int { F32 = 0, BF16 = 1 };
 constexpr int PANEL = 16;
-
-inline float bf16_to_f32(uint16_t v) {
-    uint32_t bits = static_cast<uint32_t>(v) << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN stays NaN
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
-    return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
 
 // One panel row (16 columns) as two float32 vectors a, b, and how to put them back in column order.
 struct F32Weights {
