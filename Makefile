@@ -12,11 +12,10 @@ $(STAMP): pyproject.toml constraints.txt
 	$(VENV)/bin/pip install --quiet -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
-# Main job: stream a greedy chat completion from the default model (random-weight Qwen2.5-0.5B shape,
-# written to ~/.cache/mini-infer on first use).
+# Main job: benchmark mini-infer against HF transformers on the default model (random-weight Qwen2.5-0.5B
+# shape, written to ~/.cache/mini-infer on first use): table, JSON and PNG under bench-results/.
 run: $(STAMP)
-	$(VENV)/bin/mini-infer generate --chat "Explain paged attention in two sentences." \
-		--max-tokens 64 --temperature 0 --ignore-eos
+	$(VENV)/bin/mini-infer bench
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q
