@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from enum import Enum
 
+from mini_infer.errors import InvalidRequestError
+
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 
@@ -52,7 +54,7 @@ class SamplingParams:
             value = getattr(self, name)
             _check(_is_number(value), name, "must be a finite number", value)
         if self.n != 1:
-            raise ValueError(f"n must be 1 (parallel sampling is not supported yet), got {self.n}")
+            raise InvalidRequestError(f"n must be 1 (parallel sampling is not supported yet), got {self.n}", "n")
         _check(self.temperature >= 0, "temperature", "must be >= 0", self.temperature)
         _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
         _check(_is_int(self.top_k) and (self.top_k >= -1), "top_k",
@@ -98,4 +100,4 @@ def _is_int(value) -> bool:
 
 def _check(ok: bool, name: str, rule: str, value) -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{name} {rule}, got {value!r}")
+        raise InvalidRequestError(f"SamplingParams.{name} {rule}, got {value!r}", name)

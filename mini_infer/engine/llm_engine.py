@@ -18,6 +18,7 @@ from mini_infer.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
 from mini_infer.engine.kv_cache import KVCacheManager
 from mini_infer.engine.request import Request, RequestStatus
 from mini_infer.engine.scheduler import Scheduler
+from mini_infer.errors import InvalidRequestError
 from mini_infer.outputs import CompletionOutput, Logprob, RequestOutput
 from mini_infer.runner.model_runner import ModelRunner
 from mini_infer.sampling_params import RequestOutputKind, SamplingParams
@@ -66,15 +67,16 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
         if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use by an unfinished request",
+                                      "request_id")
         params = params if params is not None else self.default_sampling_params()
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}", "params")
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._check_lengths(len(token_ids), params)
         detokenizer = IncrementalDetokenizer(self.tokenizer, params) if self.tokenizer is not None else None
         if params.stop_strings and detokenizer is None:
-            raise ValueError("SamplingParams.stop needs a tokenizer; this model directory has none")
+            raise InvalidRequestError("SamplingParams.stop needs a tokenizer; this model directory has none", "stop")
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
@@ -93,40 +95,43 @@ class LLMEngine:
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
-                raise ValueError("a dict prompt needs a 'prompt' or a 'prompt_token_ids' key")
+                raise InvalidRequestError("a dict prompt needs a 'prompt' or a 'prompt_token_ids' key", "prompt")
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"text prompts need a tokenizer and {self.config.model} has no tokenizer.json; "
-                                 "pass token ids instead")
+                raise InvalidRequestError(f"text prompts need a tokenizer and {self.config.model} has no "
+                                          "tokenizer.json; pass token ids instead", "prompt")
             text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
         elif isinstance(prompt, (list, tuple)):
             text, token_ids = None, list(prompt)
         else:
-            raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+            raise InvalidRequestError("prompt must be a string, a list of token ids or a dict, got "
+                                      f"{type(prompt).__name__}", "prompt")
         if not token_ids:
-            raise ValueError("prompt is empty: it must have at least one token")
+            raise InvalidRequestError("prompt is empty: it must have at least one token", "prompt")
         vocab = self.config.model_config.vocab_size
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
-            raise ValueError("prompt token ids must be integers")
+            raise InvalidRequestError("prompt token ids must be integers", "prompt")
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             bad = next(t for t in token_ids if not 0 <= t < vocab)
-            raise ValueError(f"prompt token id {bad} is out of range: token ids must be in [0, {vocab - 1}]")
+            raise InvalidRequestError(f"prompt token id {bad} is out of range: token ids must be in "
+                                      f"[0, {vocab - 1}]", "prompt")
         return text, token_ids
 
     def _check_lengths(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         max_len = self.config.max_model_len
         if num_prompt_tokens >= max_len:
-            raise ValueError(f"prompt has {num_prompt_tokens} tokens; max_model_len is {max_len}, which leaves "
-                             "no room to generate (prompt length must be < max_model_len)")
+            raise InvalidRequestError(f"prompt has {num_prompt_tokens} tokens; max_model_len is {max_len}, which "
+                                      "leaves no room to generate (prompt length must be < max_model_len)", "prompt")
         max_tokens = params.max_tokens if params.max_tokens is not None else max_len - num_prompt_tokens
         if num_prompt_tokens + max_tokens > max_len:
-            raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
-                             f"{num_prompt_tokens + max_tokens} exceeds max_model_len ({max_len})")
+            raise InvalidRequestError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+                                      f"{num_prompt_tokens + max_tokens} exceeds max_model_len ({max_len})",
+                                      "max_tokens")
         blocks = self.kv_cache.blocks_for(num_prompt_tokens + max_tokens)
         if blocks > self.kv_cache.num_blocks:
-            raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs {blocks} KV "
-                             f"blocks but the whole cache has {self.kv_cache.num_blocks} "
-                             f"(block_size {self.kv_cache.block_size})")
+            raise InvalidRequestError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs "
+                                      f"{blocks} KV blocks but the whole cache has {self.kv_cache.num_blocks} "
+                                      f"(block_size {self.kv_cache.block_size})", "max_tokens")
         return max_tokens
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:

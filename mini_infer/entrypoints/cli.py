@@ -1,5 +1,6 @@
 """The `mini-infer` command: `make-model` writes a random-weight checkpoint, `generate` streams a completion,
-`bench` compares mini-infer with HF transformers, `profile` breaks a decode step down."""
+`serve` runs the OpenAI-compatible server, `bench` compares mini-infer with HF transformers, `bench-serve`
+load-tests a server, `profile` breaks a decode step down."""
 
 from __future__ import annotations
 
@@ -53,6 +54,8 @@ def resolve_model(model: str | None) -> str:
 def _build_parser() -> argparse.ArgumentParser:
     from mini_infer.bench.options import add_bench_args
     from mini_infer.bench.profile import add_profile_parser
+    from mini_infer.bench.serve import add_bench_serve_parser
+    from mini_infer.entrypoints.openai.api_server import add_serve_parser
     from mini_infer.factory import PRESETS
 
     parser = argparse.ArgumentParser(prog="mini-infer", description=__doc__)
@@ -79,6 +82,8 @@ def _build_parser() -> argparse.ArgumentParser:
                                               "prompts, weights and threads; writes a table, JSON and a PNG chart")
     add_bench_args(bench)
     add_profile_parser(commands)
+    add_serve_parser(commands)
+    add_bench_serve_parser(commands)
     return parser
 
 
@@ -93,6 +98,15 @@ def main(argv: list[str] | None = None) -> int:
             from mini_infer.bench.profile import run_profile
 
             return run_profile(args)
+        if args.command == "bench-serve":
+            from mini_infer.bench.serve import run_bench_serve
+
+            run_bench_serve(args)
+            return 0
+        if args.command == "serve":
+            from mini_infer.entrypoints.openai.api_server import run_server
+
+            return run_server(args)
         return _generate(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"mini-infer: error: {e}", file=sys.stderr)

@@ -1,0 +1,260 @@
+"""`mini-infer bench-serve`: load-test a running OpenAI-compatible server over HTTP (vLLM's serving benchmark
+figures): seeded random token-id prompts and output lengths, streamed /v1/completions requests sent by a fixed
+number of concurrent clients or arriving as a Poisson process; per concurrency level it reports completed and
+failed requests, request and token throughput, and TTFT / TPOT / ITL / E2E latency mean, p50, p90, p99.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mini_infer.bench.report import format_table, percentile
+
+QWEN25_REGULAR_TOKENS = 151643  # ids below this are Qwen2.5's BPE tokens (the special tokens follow)
+
+
+def add_bench_serve_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("bench-serve", help="load-test a running server over HTTP: throughput and "
+                                                       "TTFT / TPOT / ITL / E2E latency percentiles")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (without /v1)")
+    parser.add_argument("--model", default=None, help="model name to send (default: the server's only model)")
+    parser.add_argument("--api-key", default=None, help="default: $MINI_INFER_API_KEY if set")
+    parser.add_argument("--num-prompts", type=int, default=32, help="requests per concurrency level")
+    parser.add_argument("--max-concurrency", default="4",
+                        help="clients with a request in flight, comma-separated for a sweep (e.g. 1,4,16)")
+    parser.add_argument("--request-rate", type=float, default=math.inf,
+                        help="Poisson arrivals per second (default inf: every client sends its next request at "
+                             "once)")
+    parser.add_argument("--input-len", type=int, default=128, help="mean prompt tokens")
+    parser.add_argument("--output-len", type=int, default=64, help="mean output tokens (EOS is ignored)")
+    parser.add_argument("--range-ratio", type=float, default=0.5,
+                        help="lengths are uniform in [len * (1 - r), len * (1 + r)]")
+    parser.add_argument("--vocab-size", type=int, default=QWEN25_REGULAR_TOKENS,
+                        help="prompt token ids are drawn below this")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="directory for serve.json and table.txt")
+    return parser
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    base_url: str
+    model: str | None
+    api_key: str | None
+    num_prompts: int
+    concurrencies: tuple[int, ...]
+    request_rate: float
+    input_len: int
+    output_len: int
+    range_ratio: float
+    vocab_size: int
+    seed: int
+    out: str | None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServeOptions:
+        try:
+            concurrencies = tuple(int(c) for c in args.max_concurrency.split(","))
+        except ValueError:
+            raise ValueError(f"--max-concurrency must be comma-separated integers, got {args.max_concurrency!r}")
+        for flag, value in (("--num-prompts", args.num_prompts), ("--input-len", args.input_len),
+                            ("--output-len", args.output_len), ("--vocab-size", args.vocab_size),
+                            *(("--max-concurrency", c) for c in concurrencies)):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if not 0 <= args.range_ratio < 1:
+            raise ValueError(f"--range-ratio must be in [0, 1), got {args.range_ratio}")
+        if not args.request_rate > 0:
+            raise ValueError(f"--request-rate must be > 0 (inf for no pacing), got {args.request_rate}")
+        api_key = args.api_key if args.api_key is not None else os.environ.get("MINI_INFER_API_KEY")
+        return cls(args.base_url.rstrip("/"), args.model, api_key, args.num_prompts, concurrencies,
+                   args.request_rate, args.input_len, args.output_len, args.range_ratio, args.vocab_size,
+                   args.seed, args.out)
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    prompt_tokens: int
+    ok: bool = False
+    error: str | None = None
+    output_tokens: int = 0
+    ttft: float | None = None  # seconds from send to the first text
+    e2e: float | None = None
+    itls: list[float] = field(default_factory=list)  # gaps between consecutive text chunks
+
+
+def sample_requests(options: ServeOptions) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output length) per request, seeded."""
+    rng = random.Random(options.seed)
+
+    def length(mean: int) -> int:
+        low, high = max(1, int(mean * (1 - options.range_ratio))), max(1, int(mean * (1 + options.range_ratio)))
+        return rng.randint(low, high)
+
+    requests = []
+    for _ in range(options.num_prompts):
+        prompt_len, output_len = length(options.input_len), length(options.output_len)
+        requests.append(([rng.randrange(options.vocab_size) for _ in range(prompt_len)], output_len))
+    return requests
+
+
+async def _one_request(client, url: str, headers: dict, model: str, prompt: list[int],
+                       max_tokens: int) -> RequestRecord:
+    record = RequestRecord(prompt_tokens=len(prompt))
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as response:
+            if response.status_code != 200:
+                record.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
+                return record
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if "error" in chunk:
+                    record.error = chunk["error"].get("message", "error")
+                    return record
+                now = time.perf_counter()
+                if any(choice.get("text") for choice in chunk.get("choices", [])):
+                    if record.ttft is None:
+                        record.ttft = now - start
+                    else:
+                        record.itls.append(now - last)
+                    last = now
+                if chunk.get("usage"):
+                    record.output_tokens = chunk["usage"]["completion_tokens"]
+            record.e2e = time.perf_counter() - start
+            record.ok = record.ttft is not None
+            if not record.ok:
+                record.error = "the stream carried no text"
+    except Exception as e:  # noqa: BLE001 - a failed request is a result to report, not a crash
+        record.error = f"{type(e).__name__}: {e}"
+    return record
+
+
+async def run_level(options: ServeOptions, model: str, requests, concurrency: int, log) -> dict:
+    """All requests at one concurrency level; returns its metrics."""
+    import httpx
+
+    url = options.base_url + "/v1/completions"
+    headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
+    rng = random.Random(options.seed + 1)
+    gate = asyncio.Semaphore(concurrency)
+    done = 0
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30), limits=limits) as client:
+
+        async def limited(prompt, max_tokens):
+            nonlocal done
+            async with gate:
+                record = await _one_request(client, url, headers, model, prompt, max_tokens)
+            done += 1
+            if done % max(1, len(requests) // 8) == 0 or done == len(requests):
+                log(f"concurrency {concurrency}: {done}/{len(requests)} requests done")
+            return record
+
+        start = time.perf_counter()
+        tasks = []
+        for prompt, max_tokens in requests:
+            tasks.append(asyncio.ensure_future(limited(prompt, max_tokens)))
+            if math.isfinite(options.request_rate):
+                await asyncio.sleep(rng.expovariate(options.request_rate))
+        records = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return level_metrics(records, duration, concurrency)
+
+
+def level_metrics(records: list[RequestRecord], duration: float, concurrency: int) -> dict:
+    ok = [r for r in records if r.ok]
+    output_tokens = sum(r.output_tokens for r in ok)
+    prompt_tokens = sum(r.prompt_tokens for r in ok)
+    tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    return {
+        "max_concurrency": concurrency, "completed": len(ok), "failed": len(records) - len(ok),
+        "errors": sorted({r.error for r in records if r.error})[:5], "duration_s": duration,
+        "request_throughput": len(ok) / duration, "output_tok_s": output_tokens / duration,
+        "total_tok_s": (output_tokens + prompt_tokens) / duration,
+        "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
+        "ttft_ms": _stats([r.ttft for r in ok]), "tpot_ms": _stats(tpots),
+        "itl_ms": _stats([gap for r in ok for gap in r.itls]), "e2e_ms": _stats([r.e2e for r in ok]),
+    }
+
+
+def _stats(seconds: list[float]) -> dict | None:
+    if not seconds:
+        return None
+    ms = [1000 * s for s in seconds]
+    return {"mean": statistics.fmean(ms), "p50": percentile(ms, 50), "p90": percentile(ms, 90),
+            "p99": percentile(ms, 99)}
+
+
+def format_report(report: dict) -> str:
+    config = report["config"]
+    rate = "inf" if math.isinf(config["request_rate"]) else f"{config['request_rate']:g}/s"
+    lines = [f"{config['base_url']} model {config['model']}: {config['num_prompts']} requests per level, prompts "
+             f"~{config['input_len']} and outputs ~{config['output_len']} tokens (±{config['range_ratio']:.0%}, "
+             f"seed {config['seed']}), request rate {rate}", ""]
+    headers = ["clients", "done", "failed", "req/s", "out tok/s", "total tok/s"]
+    for metric in ("ttft", "tpot", "itl", "e2e"):
+        headers += [f"{metric.upper()} mean/p50/p90/p99 ms"]
+    rows = []
+    for level in report["levels"]:
+        row = [str(level["max_concurrency"]), str(level["completed"]), str(level["failed"]),
+               f"{level['request_throughput']:.2f}", f"{level['output_tok_s']:.1f}", f"{level['total_tok_s']:.1f}"]
+        for metric in ("ttft", "tpot", "itl", "e2e"):
+            s = level[f"{metric}_ms"]
+            row.append("-" if s is None else "/".join(f"{s[k]:.0f}" for k in ("mean", "p50", "p90", "p99")))
+        rows.append(row)
+    lines.append(format_table(headers, rows))
+    for level in report["levels"]:
+        for error in level["errors"]:
+            lines.append(f"concurrency {level['max_concurrency']} error: {error}")
+    return "\n".join(lines)
+
+
+def run_bench_serve(args: argparse.Namespace, log=None) -> dict:
+    """Parse the flags, run every concurrency level one after another, print (and write) the report."""
+    import httpx
+
+    from mini_infer.bench.report import write_json
+
+    log = log or (lambda message: print(f"[bench-serve] {message}", flush=True))
+    options = ServeOptions.from_args(args)
+    headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
+    try:
+        models = httpx.get(options.base_url + "/v1/models", headers=headers, timeout=30)
+    except httpx.HTTPError as e:
+        raise ValueError(f"cannot reach a server at {options.base_url}: {e}") from None
+    if models.status_code != 200:
+        raise ValueError(f"{options.base_url}/v1/models answered {models.status_code}: {models.text[:200]}")
+    model = options.model or models.json()["data"][0]["id"]
+    requests = sample_requests(options)
+    levels = []
+    for concurrency in options.concurrencies:
+        log(f"concurrency {concurrency}: {len(requests)} requests")
+        levels.append(asyncio.run(run_level(options, model, requests, concurrency, log)))
+    config = {"base_url": options.base_url, "model": model, "num_prompts": options.num_prompts,
+              "request_rate": options.request_rate, "input_len": options.input_len,
+              "output_len": options.output_len, "range_ratio": options.range_ratio, "seed": options.seed,
+              "prompts": "random token ids below --vocab-size; ignore_eos, temperature 0, streamed"}
+    report = {"config": config, "levels": levels}
+    table = format_report(report)
+    print(table)
+    if options.out is not None:
+        out = Path(options.out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(out / "serve.json", {**report, "config": {**config, "request_rate": str(options.request_rate)}})
+        (out / "table.txt").write_text(table + "\n")
+        log(f"wrote {out / 'serve.json'} and {out / 'table.txt'}")
+    return report

@@ -1,0 +1,185 @@
+"""AsyncLLMEngine: one LLMEngine stepped by a background thread, with asyncio callers.
+
+The thread owns the engine: requests are added and aborted through a command queue it drains between steps,
+so no caller ever waits on a forward pass, and every step's outputs go to the callers' asyncio queues. A
+caller that stops reading (a client that disconnects) aborts its request; its KV blocks return at the next
+step boundary. If a step raises, the engine is dead: every open request fails with EngineDeadError and new
+ones are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+
+from mini_infer.engine.llm_engine import LLMEngine, PromptType
+from mini_infer.engine.metrics import EngineMetrics
+from mini_infer.outputs import RequestOutput
+from mini_infer.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped on an exception; nothing more can run on this engine."""
+
+
+@dataclass(slots=True)
+class _Stream:
+    """Where the engine thread delivers one request's outputs (or the exception that ends it)."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.error: BaseException | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}  # touched by the engine thread only
+        self._thread = threading.Thread(target=self._run, name="mini-infer-engine", daemon=True)
+        self._thread.start()
+
+    # ---- called from the event loop ----
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    async def generate(self, request_id: str, prompt: PromptType,
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Add the request and yield its outputs (DELTA: what is new each step) until it finishes.
+
+        Raises the engine's InvalidRequestError if the request is refused, EngineDeadError if the engine fails.
+        Leaving early (break, cancellation, aclose) aborts the request."""
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue())
+        added = loop.create_future()
+        params = replace(params, output_kind=RequestOutputKind.DELTA)
+        self._commands.put(("add", request_id, prompt, params, stream, added))
+        if not self.healthy:  # died before it could take the command
+            _settle(added, EngineDeadError(f"the engine has stopped: {self.error!r}"))
+        finished = False
+        try:
+            await added
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            refused = added.done() and not added.cancelled() and added.exception() is not None
+            if not finished and not refused:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self._commands.put(("stop",))
+        self._thread.join(timeout)
+
+    def _check_alive(self) -> None:
+        if not self.healthy:
+            raise EngineDeadError(f"the engine has stopped: {self.error!r}" if self.error else
+                                  "the engine has been shut down")
+
+    # ---- the engine thread ----
+
+    def _run(self) -> None:
+        try:
+            while self._take_commands(block=not self.engine.has_unfinished_requests()):
+                if self.engine.has_unfinished_requests():
+                    outputs = self.engine.step()
+                    self._deliver(outputs)
+                self._report_state()
+        except BaseException as e:  # noqa: BLE001 - the engine is dead whatever it was; callers get told
+            logger.exception("engine step failed; the engine is stopped")
+            self.error = e
+            dead = EngineDeadError(f"the engine failed: {e!r}")
+            for stream in self._streams.values():
+                stream.put(dead)
+            self._streams.clear()
+            self._fail_pending_commands(dead)
+
+    def _take_commands(self, block: bool) -> bool:
+        """Apply queued adds and aborts (waiting for one if `block`); False once asked to stop."""
+        while True:
+            try:
+                command = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            kind = command[0]
+            if kind == "stop":
+                return False
+            if kind == "add":
+                self._add(*command[1:])
+            else:
+                self._abort(command[1])
+
+    def _add(self, request_id: str, prompt: PromptType, params: SamplingParams, stream: _Stream,
+             added: asyncio.Future) -> None:
+        try:
+            self.engine.add_request(request_id, prompt, params)
+        except ValueError as e:
+            stream.loop.call_soon_threadsafe(_settle, added, e)
+            return
+        self._streams[request_id] = stream
+        if self.metrics is not None:
+            self.metrics.on_add(request_id, time.monotonic())
+        stream.loop.call_soon_threadsafe(_settle, added, None)
+
+    def _abort(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is None:
+            return  # finished (or refused) already
+        self.engine.abort_request(request_id)
+        if self.metrics is not None:
+            self.metrics.on_abort(request_id)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        if self.metrics is not None:
+            self.metrics.on_outputs(outputs, time.monotonic())
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue  # aborted: its reader is gone
+            if output.finished:
+                del self._streams[output.request_id]
+            stream.put(output)
+
+    def _report_state(self) -> None:
+        if self.metrics is not None:
+            scheduler = self.engine.scheduler
+            self.metrics.on_state(len(scheduler.running), len(scheduler.waiting), self.engine.kv_cache_usage(),
+                                  scheduler.num_preemptions)
+
+    def _fail_pending_commands(self, error: EngineDeadError) -> None:
+        while True:
+            try:
+                command = self._commands.get(block=False)
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                stream, added = command[4], command[5]
+                stream.loop.call_soon_threadsafe(_settle, added, error)
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if not future.done():  # the caller may have been cancelled meanwhile
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)

@@ -1,0 +1,92 @@
+"""Prometheus metrics of a serving engine (vLLM's metric names under the `mini_infer:` prefix).
+
+Updated from the engine thread only: when a request is added or aborted, from every step's outputs, and from
+the scheduler's state after each step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from mini_infer.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0,
+                    40.0, 80.0, 160.0, 320.0)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                10.0)
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass(slots=True)
+class _Timing:
+    arrival: float
+    last_token: float | None = None  # None until the first token
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        labels, kw = ["model_name"], dict(registry=self.registry)
+        self.model_name = model_name
+        self._timings: dict[str, _Timing] = {}
+        self._preemptions_seen = 0
+
+        def one(metric):  # a metric with this server's label values bound
+            return metric.labels(model_name=model_name)
+
+        self.running = one(Gauge("mini_infer:num_requests_running", "Requests in the running batch.", labels, **kw))
+        self.waiting = one(Gauge("mini_infer:num_requests_waiting", "Requests waiting to be scheduled.", labels, **kw))
+        self.kv_cache_usage = one(Gauge("mini_infer:kv_cache_usage_perc",
+                                        "Fraction of KV cache blocks in use (0 to 1).", labels, **kw))
+        self.prompt_tokens = one(Counter("mini_infer:prompt_tokens", "Prompt tokens prefilled.", labels, **kw))
+        self.generation_tokens = one(Counter("mini_infer:generation_tokens", "Tokens generated.", labels, **kw))
+        self.preemptions = one(Counter("mini_infer:num_preemptions", "Requests preempted (to be recomputed).",
+                                       labels, **kw))
+        success = Counter("mini_infer:request_success", "Requests finished, by finish reason.",
+                          labels + ["finished_reason"], **kw)
+        self.success = {reason: success.labels(model_name=model_name, finished_reason=reason)
+                        for reason in FINISH_REASONS}
+        self.ttft = one(Histogram("mini_infer:time_to_first_token_seconds", "Time to first token.", labels,
+                                  buckets=_LATENCY_BUCKETS, **kw))
+        self.itl = one(Histogram("mini_infer:inter_token_latency_seconds", "Time between consecutive tokens.",
+                                 labels, buckets=_ITL_BUCKETS, **kw))
+        self.e2e = one(Histogram("mini_infer:e2e_request_latency_seconds", "Arrival to last token, per finished "
+                                 "request.", labels, buckets=_LATENCY_BUCKETS, **kw))
+
+    def on_add(self, request_id: str, now: float) -> None:
+        self._timings[request_id] = _Timing(arrival=now)
+
+    def on_abort(self, request_id: str) -> None:
+        if self._timings.pop(request_id, None) is not None:
+            self.success["abort"].inc()
+
+    def on_outputs(self, outputs: list[RequestOutput], now: float) -> None:
+        """Count the tokens of a step's DELTA outputs and time them."""
+        for output in outputs:
+            timing = self._timings.get(output.request_id)
+            if timing is None:  # not tracked here (already aborted)
+                continue
+            completion = output.outputs[0]
+            if completion.token_ids:
+                if timing.last_token is None:
+                    self.ttft.observe(now - timing.arrival)
+                    self.prompt_tokens.inc(len(output.prompt_token_ids))
+                else:
+                    self.itl.observe(now - timing.last_token)
+                timing.last_token = now
+                self.generation_tokens.inc(len(completion.token_ids))
+            if output.finished:
+                del self._timings[output.request_id]
+                self.e2e.observe(now - timing.arrival)
+                self.success[completion.finish_reason].inc()
+
+    def on_state(self, num_running: int, num_waiting: int, kv_cache_usage: float, num_preemptions: int) -> None:
+        """The scheduler's state after a step; num_preemptions is its running total."""
+        self.running.set(num_running)
+        self.waiting.set(num_waiting)
+        self.kv_cache_usage.set(kv_cache_usage)
+        if num_preemptions > self._preemptions_seen:
+            self.preemptions.inc(num_preemptions - self._preemptions_seen)
+            self._preemptions_seen = num_preemptions

@@ -1,0 +1,435 @@
+"""`mini-infer serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one AsyncLLMEngine.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (SSE streaming with `stream: true`), GET /v1/models,
+GET /health, GET /metrics (Prometheus text). Errors come back in OpenAI's shape,
+{"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mini_infer.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from mini_infer.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from mini_infer.errors import InvalidRequestError
+from mini_infer.outputs import RequestOutput
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after"}
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                413: "invalid_request_error", 500: "internal_server_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": _ERROR_TYPES.get(self.status, "error"),
+                          "param": self.param, "code": self.status}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def build_app(engine: AsyncLLMEngine, served_model_name: str, *, api_key: str | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    app = FastAPI(title="mini-infer", docs_url=None, redoc_url=None, openapi_url=None)
+    server = _Server(engine, served_model_name, api_key, max_body_bytes)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request, error: APIError):
+        return error.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request, error: StarletteHTTPException):
+        return APIError(error.status_code, str(error.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_request, error: Exception):
+        return APIError(500, f"internal error: {error!r}").response()
+
+    @app.get("/health")
+    async def health():
+        if not engine.healthy:
+            raise APIError(503, f"the engine is not running: {engine.error!r}")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        server.authorize(request)
+        config = engine.engine.config
+        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": server.created,
+                                            "owned_by": "mini-infer", "root": str(config.model),
+                                            "max_model_len": config.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await server.handle(request, CompletionRequest, server.completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await server.handle(request, ChatCompletionRequest, server.chat_completion)
+
+    return app
+
+
+class _Server:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, api_key: str | None, max_body_bytes: int) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.created = int(time.time())
+
+    # ---- request plumbing ----
+
+    def authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'")
+
+    async def handle(self, request: Request, model: type[BaseModel], run: Callable):
+        self.authorize(request)
+        body = await self._read_json(request)
+        try:
+            parsed = model.model_validate(body)
+        except ValidationError as e:
+            raise _validation_error(e) from None
+        if parsed.model is not None and parsed.model != self.model_name:
+            raise APIError(404, f"the model '{parsed.model}' does not exist; this server serves "
+                                f"'{self.model_name}'", "model")
+        if not self.engine.healthy:
+            raise APIError(500, f"the engine is not running: {self.engine.error!r}")
+        try:
+            return await run(request, parsed)
+        except InvalidRequestError as e:  # refused by SamplingParams, the engine, or a message's content
+            raise APIError(400, str(e), _api_param(e.field, parsed)) from None
+
+    async def _read_json(self, request: Request):
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise APIError(413, f"request body of {declared} bytes exceeds the limit of {self.max_body_bytes}")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise APIError(413, f"request body exceeds the limit of {self.max_body_bytes} bytes")
+            chunks.append(chunk)
+        try:
+            body = json.loads(b"".join(chunks))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        return body
+
+    # ---- the two generation endpoints ----
+
+    async def completion(self, request: Request, req: CompletionRequest):
+        params = self._sampling_params(req, req.max_tokens, req.logprobs)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        outputs = self.engine.generate(request_id, req.prompt, params)
+        first = await self._first_output(outputs)
+        meta = dict(id=request_id, created=int(time.time()), model=self.model_name)
+        if req.stream:
+            return _SSEResponse(self._completion_chunks(outputs, first, meta, req.include_usage))
+        result = await _unless_disconnected(request, _collect(outputs, first))
+        if result is None:
+            return Response(status_code=499)
+        text, token_ids, logprobs, finish, stop_reason, prompt_tokens = result
+        choice = {"index": 0, "text": text,
+                  "logprobs": _completion_logprobs(logprobs, 0) if logprobs is not None else None,
+                  "finish_reason": finish, "stop_reason": stop_reason}
+        return {**meta, "object": "text_completion", "choices": [choice],
+                "usage": _usage(prompt_tokens, len(token_ids))}
+
+    async def chat_completion(self, request: Request, req: ChatCompletionRequest):
+        tokenizer = self.engine.engine.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
+        messages = [m.for_template() for m in req.messages]
+        try:
+            prompt = tokenizer.apply_chat_template(messages, tokenize=False,
+                                                   add_generation_prompt=req.add_generation_prompt)
+        except Exception as e:  # noqa: BLE001 - the template's own error, reported to the caller
+            raise APIError(400, f"the chat template could not render these messages: {e}", "messages") from None
+        params = self._sampling_params(req, req.requested_max_tokens, req.requested_logprobs)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        outputs = self.engine.generate(request_id, prompt, params)
+        first = await self._first_output(outputs)
+        meta = dict(id=request_id, created=int(time.time()), model=self.model_name)
+        if req.stream:
+            return _SSEResponse(self._chat_chunks(outputs, first, meta, req.include_usage, req.top_logprobs or 0))
+        result = await _unless_disconnected(request, _collect(outputs, first))
+        if result is None:
+            return Response(status_code=499)
+        text, token_ids, logprobs, finish, stop_reason, prompt_tokens = result
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": _chat_logprobs(logprobs, req.top_logprobs or 0) if logprobs is not None else None,
+                  "finish_reason": finish, "stop_reason": stop_reason}
+        return {**meta, "object": "chat.completion", "choices": [choice],
+                "usage": _usage(prompt_tokens, len(token_ids))}
+
+    def _sampling_params(self, req, max_tokens: int | None, logprobs: int | None):
+        return req.sampling_params(self.engine.engine.default_sampling_params(), max_tokens, logprobs)
+
+    async def _first_output(self, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+        """Start the request: its first output, or the error that refuses it (then nothing runs): the engine's
+        InvalidRequestError, or a 500 if the engine is dead."""
+        try:
+            return await anext(outputs)
+        except EngineDeadError as e:
+            raise APIError(500, str(e)) from None
+
+    # ---- streaming ----
+
+    async def _completion_chunks(self, outputs, first: RequestOutput, meta: dict, include_usage: bool):
+        num_tokens, text_offset = 0, 0
+        usage = {"usage": None} if include_usage else {}
+        async for output in _chain(first, outputs):
+            completion = output.outputs[0]
+            num_tokens += len(completion.token_ids)
+            prompt_tokens = len(output.prompt_token_ids)
+            if not (completion.text or completion.logprobs or output.finished):
+                continue
+            logprobs = None
+            if completion.logprobs is not None:
+                logprobs = _completion_logprobs(completion.logprobs, text_offset)
+                text_offset += sum(len(t) for t in logprobs["tokens"])
+            choice = {"index": 0, "text": completion.text, "logprobs": logprobs,
+                      "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+            yield _sse({**meta, "object": "text_completion", "choices": [choice], **usage})
+        if include_usage:
+            yield _sse({**meta, "object": "text_completion", "choices": [], "usage": _usage(prompt_tokens,
+                                                                                            num_tokens)})
+        yield "data: [DONE]\n\n"
+
+    async def _chat_chunks(self, outputs, first: RequestOutput, meta: dict, include_usage: bool, top_n: int):
+        num_tokens = 0
+        usage = {"usage": None} if include_usage else {}
+        chunk = dict(meta, object="chat.completion.chunk")
+        yield _sse({**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}], **usage})
+        async for output in _chain(first, outputs):
+            completion = output.outputs[0]
+            num_tokens += len(completion.token_ids)
+            prompt_tokens = len(output.prompt_token_ids)
+            if not (completion.text or completion.logprobs or output.finished):
+                continue
+            choice = {"index": 0, "delta": {"content": completion.text} if completion.text else {},
+                      "logprobs": _chat_logprobs(completion.logprobs, top_n) if completion.logprobs else None,
+                      "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+            yield _sse({**chunk, "choices": [choice], **usage})
+        if include_usage:
+            yield _sse({**chunk, "choices": [], "usage": _usage(prompt_tokens, num_tokens)})
+        yield "data: [DONE]\n\n"
+
+
+class _SSEResponse(StreamingResponse):
+    """Server-sent events that stop, and abort their request, as soon as the client disconnects (whatever
+    ASGI spec version the server speaks): the stream and a disconnect watcher race, the loser is cancelled,
+    and the event generator is closed either way."""
+
+    def __init__(self, events: AsyncIterator[str]) -> None:
+        super().__init__(_guard_engine_death(events), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        stream = asyncio.ensure_future(self.stream_response(send))
+        watcher = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait({stream, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (stream, watcher):
+                task.cancel()
+            await asyncio.gather(stream, watcher, return_exceptions=True)
+            await self.body_iterator.aclose()
+
+
+async def _guard_engine_death(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Pass events through; if the engine dies mid-stream, end with an error event and [DONE]."""
+    async with contextlib.aclosing(events):
+        try:
+            async for event in events:
+                yield event
+        except EngineDeadError as e:
+            yield _sse(APIError(500, str(e)).body())
+            yield "data: [DONE]\n\n"
+
+
+async def _chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    async with contextlib.aclosing(rest):
+        yield first
+        if not first.finished:
+            async for output in rest:
+                yield output
+
+
+async def _collect(outputs: AsyncIterator[RequestOutput], first: RequestOutput):
+    """Run a request to the end: (text, token ids, logprobs, finish reason, stop reason, prompt tokens)."""
+    text, token_ids, logprobs = [], [], None
+    async for output in _chain(first, outputs):
+        completion = output.outputs[0]
+        text.append(completion.text)
+        token_ids += completion.token_ids
+        if completion.logprobs is not None:
+            logprobs = (logprobs or []) + completion.logprobs
+    return ("".join(text), token_ids, logprobs, completion.finish_reason, completion.stop_reason,
+            len(output.prompt_token_ids))
+
+
+async def _unless_disconnected(request: Request, work):
+    """Await `work` unless the client disconnects first (then cancel it, which aborts its request; None)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        return None
+    try:
+        return task.result()
+    except EngineDeadError as e:
+        raise APIError(500, str(e)) from None
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _completion_logprobs(logprobs: list[dict], text_offset: int) -> dict:
+    """OpenAI's completions shape: tokens, token_logprobs, top_logprobs ({token: logprob}), text_offset."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for entry in logprobs:
+        sampled = next(iter(entry.values()))  # the sampled token comes first
+        token = sampled.decoded_token or ""
+        tokens.append(token)
+        token_logprobs.append(sampled.logprob)
+        top.append({(lp.decoded_token or ""): lp.logprob for lp in entry.values()})
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _chat_logprobs(logprobs: list[dict], top_n: int) -> dict:
+    """OpenAI's chat shape: content = [{token, logprob, bytes, top_logprobs: [the top_n {token, logprob,
+    bytes}]}]; each entry holds the sampled token first, then the most likely ones."""
+    content = []
+    for entry in logprobs:
+        sampled = next(iter(entry.values()))
+        top = [_chat_token(lp) for lp in sorted(entry.values(), key=lambda lp: lp.rank) if lp.rank <= top_n]
+        content.append({**_chat_token(sampled), "top_logprobs": top})
+    return {"content": content}
+
+
+def _chat_token(lp) -> dict:
+    token = lp.decoded_token or ""
+    return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode())}
+
+
+def _api_param(field: str | None, req) -> str | None:
+    """The request field behind an engine field (a SamplingParams field or "prompt")."""
+    if isinstance(req, ChatCompletionRequest):
+        if field == "prompt":
+            return "messages"
+        if field == "logprobs":
+            return "top_logprobs"
+        if field == "max_tokens" and req.max_completion_tokens is not None:
+            return "max_completion_tokens"
+    return field
+
+
+def _validation_error(error: ValidationError) -> APIError:
+    first = error.errors()[0]
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, InvalidRequestError):
+        return APIError(400, str(cause), cause.field)
+    loc = first["loc"]
+    if not loc:
+        return APIError(400, first["msg"])
+    # The path without pydantic's union-member tags ("prompt.str" -> "prompt", "messages.0.role" kept).
+    path = ".".join(str(p) for p in loc if isinstance(p, int) or not (p in _TYPE_TAGS or "[" in p))
+    return APIError(400, f"{path}: {first['msg']} (got {first.get('input')!r:.80})", str(loc[0]))
+
+
+def add_serve_parser(subparsers):
+    """Register the `serve` subcommand (its own options plus the engine's)."""
+    from mini_infer.entrypoints.cli import add_engine_args
+
+    parser = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, "
+                                                 "metrics)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $MINI_INFER_API_KEY if set)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name clients send (default: --model as given, or the default model's "
+                             "directory name)")
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="larger request bodies get a 413")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_args(parser)
+    return parser
+
+
+def run_server(args) -> int:
+    """Load the engine, then serve until interrupted."""
+    import logging
+    import os
+    from pathlib import Path
+
+    import uvicorn
+
+    from mini_infer.engine.llm_engine import LLMEngine
+    from mini_infer.engine.metrics import EngineMetrics
+    from mini_infer.entrypoints.cli import engine_kwargs, resolve_model
+
+    if args.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    model_dir = resolve_model(args.model)
+    name = args.served_model_name or args.model or Path(model_dir).name
+    api_key = args.api_key if args.api_key is not None else os.environ.get("MINI_INFER_API_KEY")
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    engine = AsyncLLMEngine(LLMEngine.from_args(model_dir, **engine_kwargs(args)), EngineMetrics(name))
+    app = build_app(engine, name, api_key=api_key, max_body_bytes=args.max_body_bytes)
+    logging.getLogger("mini_infer").info("serving %s (%s) on http://%s:%d/v1", name, model_dir, args.host, args.port)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.shutdown()
+    return 0
