@@ -65,9 +65,9 @@ class BenchOptions:
         for flag, value in (("--reps", reps), ("--prompt-len", args.prompt_len),
                             ("--max-new-tokens", args.max_new_tokens), ("--warmup-tokens", args.warmup_tokens),
                             ("--num-requests", args.num_requests), ("--batch-size", args.batch_size)):
-            _at_least_one(flag, value)
+            at_least_one(flag, value)
         out = Path(args.out) if args.out else Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
-        batch_sizes = tuple(sorted(set(_int_list("--batch-sizes", args.batch_sizes))))
+        batch_sizes = tuple(sorted(set(int_list("--batch-sizes", args.batch_sizes))))
         return cls(workload=args.workload, model=args.model, dtype=args.dtype,
                    systems=tuple(s for s in SYSTEMS if s in systems), reps=reps, out=out,
                    batch_sizes=batch_sizes, prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens,
@@ -77,12 +77,12 @@ class BenchOptions:
                    batch_size=args.batch_size, seed=args.seed)
 
 
-def _at_least_one(flag: str, value: int) -> None:
+def at_least_one(flag: str, value: int) -> None:
     if value < 1:
         raise ValueError(f"{flag} must be >= 1, got {value}")
 
 
-def _int_list(flag: str, text: str) -> tuple[int, ...]:
+def int_list(flag: str, text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(part) for part in text.split(","))
     except ValueError:
@@ -93,7 +93,7 @@ def _int_list(flag: str, text: str) -> tuple[int, ...]:
 
 
 def _range(flag: str, text: str) -> tuple[int, int]:
-    values = _int_list(flag, text)
+    values = int_list(flag, text)
     if len(values) != 2 or values[0] > values[1]:
         raise ValueError(f"{flag} must be LOW,HIGH with 1 <= LOW <= HIGH, got {text!r}")
     return values

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mini_infer.bench.options import at_least_one, int_list
 from mini_infer.bench.report import format_table, percentile
 
 QWEN25_REGULAR_TOKENS = 151643  # ids below this are Qwen2.5's BPE tokens (the special tokens follow)
@@ -62,15 +63,10 @@ class ServeOptions:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeOptions:
-        try:
-            concurrencies = tuple(int(c) for c in args.max_concurrency.split(","))
-        except ValueError:
-            raise ValueError(f"--max-concurrency must be comma-separated integers, got {args.max_concurrency!r}")
+        concurrencies = int_list("--max-concurrency", args.max_concurrency)
         for flag, value in (("--num-prompts", args.num_prompts), ("--input-len", args.input_len),
-                            ("--output-len", args.output_len), ("--vocab-size", args.vocab_size),
-                            *(("--max-concurrency", c) for c in concurrencies)):
-            if value < 1:
-                raise ValueError(f"{flag} must be >= 1, got {value}")
+                            ("--output-len", args.output_len), ("--vocab-size", args.vocab_size)):
+            at_least_one(flag, value)
         if not 0 <= args.range_ratio < 1:
             raise ValueError(f"--range-ratio must be in [0, 1), got {args.range_ratio}")
         if not args.request_rate > 0:

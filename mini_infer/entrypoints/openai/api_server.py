@@ -148,21 +148,7 @@ class _Server:
 
     async def completion(self, request: Request, req: CompletionRequest):
         params = self._sampling_params(req, req.max_tokens, req.logprobs)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        outputs = self.engine.generate(request_id, req.prompt, params)
-        first = await self._first_output(outputs)
-        meta = dict(id=request_id, created=int(time.time()), model=self.model_name)
-        if req.stream:
-            return _SSEResponse(self._completion_chunks(outputs, first, meta, req.include_usage))
-        result = await _unless_disconnected(request, _collect(outputs, first))
-        if result is None:
-            return Response(status_code=499)
-        text, token_ids, logprobs, finish, stop_reason, prompt_tokens = result
-        choice = {"index": 0, "text": text,
-                  "logprobs": _completion_logprobs(logprobs, 0) if logprobs is not None else None,
-                  "finish_reason": finish, "stop_reason": stop_reason}
-        return {**meta, "object": "text_completion", "choices": [choice],
-                "usage": _usage(prompt_tokens, len(token_ids))}
+        return await self._generate(request, req, req.prompt, params, _CompletionChoices())
 
     async def chat_completion(self, request: Request, req: ChatCompletionRequest):
         tokenizer = self.engine.engine.tokenizer
@@ -175,20 +161,23 @@ class _Server:
         except Exception as e:  # noqa: BLE001 - the template's own error, reported to the caller
             raise APIError(400, f"the chat template could not render these messages: {e}", "messages") from None
         params = self._sampling_params(req, req.requested_max_tokens, req.requested_logprobs)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        return await self._generate(request, req, prompt, params, _ChatChoices(req.top_logprobs or 0))
+
+    async def _generate(self, request: Request, req, prompt, params, choices: _Choices):
+        """Run the request: an SSE response when it streams, else the whole response body."""
+        request_id = f"{choices.id_prefix}-{uuid.uuid4().hex}"
         outputs = self.engine.generate(request_id, prompt, params)
         first = await self._first_output(outputs)
         meta = dict(id=request_id, created=int(time.time()), model=self.model_name)
         if req.stream:
-            return _SSEResponse(self._chat_chunks(outputs, first, meta, req.include_usage, req.top_logprobs or 0))
+            return _SSEResponse(_events(outputs, first, {**meta, "object": choices.chunk_object}, req.include_usage,
+                                        choices))
         result = await _unless_disconnected(request, _collect(outputs, first))
         if result is None:
             return Response(status_code=499)
         text, token_ids, logprobs, finish, stop_reason, prompt_tokens = result
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": _chat_logprobs(logprobs, req.top_logprobs or 0) if logprobs is not None else None,
-                  "finish_reason": finish, "stop_reason": stop_reason}
-        return {**meta, "object": "chat.completion", "choices": [choice],
+        return {**meta, "object": choices.object,
+                "choices": [choices.choice(text, logprobs, finish, stop_reason, streaming=False)],
                 "usage": _usage(prompt_tokens, len(token_ids))}
 
     def _sampling_params(self, req, max_tokens: int | None, logprobs: int | None):
@@ -202,48 +191,73 @@ class _Server:
         except EngineDeadError as e:
             raise APIError(500, str(e)) from None
 
-    # ---- streaming ----
 
-    async def _completion_chunks(self, outputs, first: RequestOutput, meta: dict, include_usage: bool):
-        num_tokens, text_offset = 0, 0
-        usage = {"usage": None} if include_usage else {}
-        async for output in _chain(first, outputs):
-            completion = output.outputs[0]
-            num_tokens += len(completion.token_ids)
-            prompt_tokens = len(output.prompt_token_ids)
-            if not (completion.text or completion.logprobs or output.finished):
-                continue
-            logprobs = None
-            if completion.logprobs is not None:
-                logprobs = _completion_logprobs(completion.logprobs, text_offset)
-                text_offset += sum(len(t) for t in logprobs["tokens"])
-            choice = {"index": 0, "text": completion.text, "logprobs": logprobs,
-                      "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
-            yield _sse({**meta, "object": "text_completion", "choices": [choice], **usage})
-        if include_usage:
-            yield _sse({**meta, "object": "text_completion", "choices": [], "usage": _usage(prompt_tokens,
-                                                                                            num_tokens)})
-        yield "data: [DONE]\n\n"
+class _Choices:
+    """How one endpoint spells a choice, whole or as a streamed delta."""
 
-    async def _chat_chunks(self, outputs, first: RequestOutput, meta: dict, include_usage: bool, top_n: int):
-        num_tokens = 0
-        usage = {"usage": None} if include_usage else {}
-        chunk = dict(meta, object="chat.completion.chunk")
-        yield _sse({**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                          "logprobs": None, "finish_reason": None}], **usage})
-        async for output in _chain(first, outputs):
-            completion = output.outputs[0]
-            num_tokens += len(completion.token_ids)
-            prompt_tokens = len(output.prompt_token_ids)
-            if not (completion.text or completion.logprobs or output.finished):
-                continue
-            choice = {"index": 0, "delta": {"content": completion.text} if completion.text else {},
-                      "logprobs": _chat_logprobs(completion.logprobs, top_n) if completion.logprobs else None,
-                      "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
-            yield _sse({**chunk, "choices": [choice], **usage})
-        if include_usage:
-            yield _sse({**chunk, "choices": [], "usage": _usage(prompt_tokens, num_tokens)})
-        yield "data: [DONE]\n\n"
+    id_prefix: str
+    object: str
+    chunk_object: str
+
+    def opening(self) -> dict | None:
+        """A choice to stream before any text, or None."""
+        return None
+
+    def choice(self, text: str, logprobs: list[dict] | None, finish_reason: str | None, stop_reason,
+               streaming: bool) -> dict:
+        raise NotImplementedError
+
+
+class _CompletionChoices(_Choices):
+    id_prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
+
+    def __init__(self) -> None:
+        self.text_offset = 0  # of the next token, across a stream's chunks
+
+    def choice(self, text, logprobs, finish_reason, stop_reason, streaming):
+        shaped = None
+        if logprobs:
+            shaped = _completion_logprobs(logprobs, self.text_offset)
+            self.text_offset += sum(len(t) for t in shaped["tokens"])
+        return {"index": 0, "text": text, "logprobs": shaped, "finish_reason": finish_reason,
+                "stop_reason": stop_reason}
+
+
+class _ChatChoices(_Choices):
+    id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, top_logprobs: int) -> None:
+        self.top_logprobs = top_logprobs
+
+    def opening(self):
+        return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+    def choice(self, text, logprobs, finish_reason, stop_reason, streaming):
+        body = ({"delta": {"content": text} if text else {}} if streaming
+                else {"message": {"role": "assistant", "content": text}})
+        return {"index": 0, **body, "logprobs": _chat_logprobs(logprobs, self.top_logprobs) if logprobs else None,
+                "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+
+async def _events(outputs, first: RequestOutput, chunk: dict, include_usage: bool, choices: _Choices):
+    """A request's SSE events: a chunk per output that carries text or logprobs (and the last one), then the
+    usage chunk if asked for, then [DONE]."""
+    num_tokens = 0
+    usage = {"usage": None} if include_usage else {}
+    opening = choices.opening()
+    if opening is not None:
+        yield _sse({**chunk, "choices": [opening], **usage})
+    async for output in _chain(first, outputs):
+        completion = output.outputs[0]
+        num_tokens += len(completion.token_ids)
+        if not (completion.text or completion.logprobs or output.finished):
+            continue
+        choice = choices.choice(completion.text, completion.logprobs, completion.finish_reason,
+                                completion.stop_reason, streaming=True)
+        yield _sse({**chunk, "choices": [choice], **usage})
+    if include_usage:
+        yield _sse({**chunk, "choices": [], "usage": _usage(len(first.prompt_token_ids), num_tokens)})
+    yield "data: [DONE]\n\n"
 
 
 class _SSEResponse(StreamingResponse):
@@ -288,13 +302,14 @@ async def _chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> As
 
 async def _collect(outputs: AsyncIterator[RequestOutput], first: RequestOutput):
     """Run a request to the end: (text, token ids, logprobs, finish reason, stop reason, prompt tokens)."""
-    text, token_ids, logprobs = [], [], None
+    text, token_ids = [], []
+    logprobs = [] if first.outputs[0].logprobs is not None else None
     async for output in _chain(first, outputs):
         completion = output.outputs[0]
         text.append(completion.text)
         token_ids += completion.token_ids
-        if completion.logprobs is not None:
-            logprobs = (logprobs or []) + completion.logprobs
+        if logprobs is not None:
+            logprobs += completion.logprobs
     return ("".join(text), token_ids, logprobs, completion.finish_reason, completion.stop_reason,
             len(output.prompt_token_ids))
 

@@ -6,6 +6,7 @@ anything but their default; unknown fields are ignored, as OpenAI's and vLLM's s
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -53,13 +54,11 @@ class _SamplingRequest(BaseModel):
         chosen = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p",
                                                           "repetition_penalty", "presence_penalty",
                                                           "frequency_penalty") if getattr(self, name) is not None}
-        base = {name: getattr(defaults, name) for name in ("temperature", "top_p", "top_k", "min_p",
-                                                             "repetition_penalty")}
-        return SamplingParams(**{**base, **chosen}, n=self.n, seed=self.seed, max_tokens=max_tokens,
-                              min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop=self.stop,
-                              stop_token_ids=self.stop_token_ids, logprobs=logprobs,
-                              include_stop_str_in_output=self.include_stop_str_in_output,
-                              skip_special_tokens=self.skip_special_tokens)
+        return replace(defaults, **chosen, n=self.n, seed=self.seed, max_tokens=max_tokens,
+                       min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop=self.stop,
+                       stop_token_ids=self.stop_token_ids, logprobs=logprobs,
+                       include_stop_str_in_output=self.include_stop_str_in_output,
+                       skip_special_tokens=self.skip_special_tokens)
 
     @property
     def include_usage(self) -> bool:
