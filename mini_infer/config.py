@@ -148,6 +148,9 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     cpu_kernels: str = "auto"  # auto, on or off (mini_infer.model.ops)
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
     model_config: ModelConfig = field(init=False)
     torch_dtype: torch.dtype = field(init=False)
 
@@ -177,14 +180,26 @@ class EngineConfig:
         self.torch_dtype = resolve_dtype(self.dtype, self.model_config)
         if self.cpu_kernels not in CPU_KERNEL_MODES:
             raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNEL_MODES)}, got {self.cpu_kernels!r}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            _positive(name, getattr(self, name))
+        _check_parallel_split(self.model_config, self.tensor_parallel_size, self.pipeline_parallel_size)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one replica: tensor-parallel ranks times pipeline stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def max_blocks_per_seq(self) -> int:
         return math.ceil(self.max_model_len / self.block_size)
 
     def kv_bytes_per_block(self) -> int:
+        """Bytes of one block on the rank that holds the most of it (its stage's layers, its share of the KV
+        heads): the cache budget is per rank, and every rank has the same number of blocks."""
         mc = self.model_config
-        per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim
+        layers = -(-mc.num_hidden_layers // self.pipeline_parallel_size)
+        kv_heads = max(1, mc.num_key_value_heads // self.tensor_parallel_size)
+        per_token = 2 * layers * kv_heads * mc.head_dim
         return per_token * self.block_size * self.torch_dtype.itemsize
 
     def resolved_num_kv_blocks(self) -> int:
@@ -193,6 +208,28 @@ class EngineConfig:
         budget = int(self.kv_cache_memory_gb * 2**30) // self.kv_bytes_per_block()
         # Never reserve more than every sequence slot could use at full length.
         return max(1, min(budget, self.max_num_seqs * self.max_blocks_per_seq))
+
+
+def _check_parallel_split(mc: ModelConfig, tp: int, pp: int) -> None:
+    """Tensor parallel splits query heads, KV heads (or replicates them) and the MLP; pipeline parallel splits
+    the layers. Refuse the sizes that do not split this model."""
+    heads, kv_heads = mc.num_attention_heads, mc.num_key_value_heads
+    if heads % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide num_attention_heads={heads}")
+    if kv_heads % tp and tp % kv_heads:
+        raise ValueError(f"tensor_parallel_size={tp} cannot split num_key_value_heads={kv_heads}: the KV heads are "
+                         "divided evenly (tp divides them) or replicated (a multiple of them divides tp), "
+                         f"so tp must be one of {_split_sizes(heads, kv_heads)}")
+    if mc.intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide intermediate_size={mc.intermediate_size}")
+    if pp > mc.num_hidden_layers:
+        raise ValueError(f"pipeline_parallel_size={pp} exceeds num_hidden_layers={mc.num_hidden_layers} "
+                         "(each stage holds at least one layer)")
+
+
+def _split_sizes(heads: int, kv_heads: int) -> str:
+    sizes = [tp for tp in range(1, heads + 1) if heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)]
+    return ", ".join(map(str, sizes))
 
 
 def _positive(name: str, value: int) -> None:

@@ -10,3 +10,8 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.field = field
+
+
+class WorkerDiedError(RuntimeError):
+    """A process of a multi-process engine (a tensor/pipeline-parallel rank or a data-parallel replica) died or
+    failed; the engine has stopped and shut its other processes down."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import torch
 from conftest import DEVICE, PARITY_CONFIGS, build_hf_model, hf_greedy, save_hf_model
 from mini_infer import LLM, SamplingParams
 from mini_infer.engine.llm_engine import LLMEngine
+from mini_infer.runner.model_runner import prepare_inputs
 
 PROMPT_LENGTHS = [1, 2, 7, 16, 33, 50, 77, 100, 5]
 MAX_NEW_TOKENS = 32
@@ -38,10 +40,8 @@ def engine_logits(engine: LLMEngine, prompts: list[list[int]]) -> list[torch.Ten
         engine.add_request(str(i), prompt, GREEDY)
     scheduled = engine.scheduler.schedule()
     assert scheduled.is_prefill and len(scheduled.requests) == len(prompts)
-    input_ids, positions, meta, _ = engine.runner.prepare_inputs(scheduled)
-    with torch.inference_mode():
-        logits = engine.runner.model(input_ids, positions, engine.runner.kv_caches, meta,
-                                     torch.arange(len(input_ids), device=input_ids.device))
+    step = prepare_inputs(scheduled, engine.kv_cache)
+    logits = engine.runner.forward(replace(step, logits_indices=torch.arange(step.num_tokens)))
     return list(logits.split(scheduled.num_new_tokens))
 
 

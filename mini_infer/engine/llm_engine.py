@@ -14,13 +14,16 @@ import torch
 from torch.profiler import record_function
 
 from mini_infer.config import EngineConfig
+from mini_infer.distributed.comm import Comm
+from mini_infer.distributed.workers import Ranks
 from mini_infer.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
 from mini_infer.engine.kv_cache import KVCacheManager
 from mini_infer.engine.request import Request, RequestStatus
 from mini_infer.engine.scheduler import Scheduler
-from mini_infer.errors import InvalidRequestError
+from mini_infer.errors import InvalidRequestError, WorkerDiedError
 from mini_infer.outputs import CompletionOutput, Logprob, RequestOutput
-from mini_infer.runner.model_runner import ModelRunner
+from mini_infer.runner.model_runner import ModelRunner, prepare_inputs
+from mini_infer.runner.sampler import Sampler
 from mini_infer.sampling_params import RequestOutputKind, SamplingParams
 
 # Prompt forms: text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...} dicts.
@@ -31,7 +34,14 @@ _GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_
 
 
 class LLMEngine:
+    """One engine replica: the scheduler and sampler here, the model on this process alone or, with tensor or
+    pipeline parallelism, over ranks this process leads as rank 0 (data_parallel_size is for
+    mini_infer.distributed.data_parallel.create_engine, which starts replicas of this)."""
+
     def __init__(self, config: EngineConfig) -> None:
+        if config.data_parallel_size != 1:
+            raise ValueError("LLMEngine is one replica; build data_parallel_size > 1 with "
+                             "mini_infer.distributed.data_parallel.create_engine (LLM does)")
         self.config = config
         model_dir = Path(config.model)
         self.tokenizer = load_tokenizer(model_dir)
@@ -41,9 +51,20 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.max_num_seqs, config.max_blocks_per_seq)
         self.scheduler = Scheduler(self.kv_cache, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens)
-        self.runner = ModelRunner(config, self.kv_cache)
+        self.ranks = Ranks(config) if config.world_size > 1 else None
+        try:
+            comm = self.ranks.comm if self.ranks else Comm.local(config)
+            self.device = self.ranks.device if self.ranks else torch.device(config.device)
+            self.runner = ModelRunner(config, num_blocks, comm, self.device)
+            if self.ranks:
+                self.ranks.wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+        self.sampler = Sampler(config.model_config.vocab_size, self.device, config.seed)
         self.requests: dict[str, Request] = {}
         self._aborted_outputs: list[RequestOutput] = []
+        self._failure: WorkerDiedError | None = None
 
     @classmethod
     def from_args(cls, model: str, **kwargs) -> LLMEngine:
@@ -79,7 +100,7 @@ class LLMEngine:
             raise InvalidRequestError("SamplingParams.stop needs a tokenizer; this model directory has none", "stop")
         generator = None
         if params.seed is not None:
-            generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
         request = Request(
             request_id=request_id, prompt=text, prompt_token_ids=token_ids, params=params, max_tokens=max_tokens,
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
@@ -147,15 +168,32 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled forward; return the outputs of the requests it advanced (and of aborted ones)."""
+        if self._failure is not None:
+            raise WorkerDiedError(f"the engine has stopped: {self._failure}")
         outputs, self._aborted_outputs = self._aborted_outputs, []
         with record_function("scheduler"):
             scheduled = self.scheduler.schedule()
         if not scheduled.requests:
             return outputs
-        sampled = self.runner.execute(scheduled)
+        with record_function("input_prep"):
+            inputs = prepare_inputs(scheduled, self.kv_cache)
+        with record_function("forward"):
+            logits = self._forward(inputs)
+        with record_function("sampling"):
+            sampled = self.sampler(logits, scheduled.requests)
         with record_function("scheduler"):
             outputs.extend(self._process(scheduled, sampled))
         return outputs
+
+    def _forward(self, inputs) -> torch.Tensor:
+        if self.ranks is None:
+            return self.runner.forward(inputs)
+        try:
+            self.ranks.broadcast_step(inputs)
+            return self.ranks.guard(self.runner.forward, inputs)
+        except WorkerDiedError as e:
+            self._failure = e
+            raise
 
     def _process(self, scheduled, sampled) -> list[RequestOutput]:
         """Append the sampled tokens, retire finished requests and build the step's outputs."""
@@ -218,6 +256,30 @@ class LLMEngine:
 
     def kv_cache_usage(self) -> float:
         return self.kv_cache.usage()
+
+    def scheduler_state(self) -> tuple[int, int, float, int]:
+        """(running, waiting, KV cache usage, preemptions so far): what a server's metrics report."""
+        return (len(self.scheduler.running), len(self.scheduler.waiting), self.kv_cache.usage(),
+                self.scheduler.num_preemptions)
+
+    def check_health(self) -> None:
+        """Raise WorkerDiedError if the engine has failed or one of its worker ranks has exited."""
+        if self._failure is not None:
+            raise WorkerDiedError(f"the engine has stopped: {self._failure}")
+        dead = self.ranks.dead_workers() if self.ranks else None
+        if dead is not None:
+            raise WorkerDiedError(f"{dead}; the engine cannot run another step")
+
+    def memory_stats(self) -> list[dict]:
+        """Per rank: parameter bytes, KV bytes and peak memory (see ModelRunner.memory_stats)."""
+        own = self.runner.memory_stats()
+        return self.ranks.gather_stats(own) if self.ranks else [own]
+
+    def shutdown(self) -> None:
+        """Stop the worker ranks (a single-process engine has none); the engine cannot step afterwards."""
+        if getattr(self, "ranks", None) is not None:
+            self.ranks.shutdown()
+            self._failure = getattr(self, "_failure", None) or WorkerDiedError("the engine was shut down")
 
 
 def _make_output(request: Request) -> RequestOutput | None:

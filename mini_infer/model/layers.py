@@ -57,16 +57,17 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class SwiGLUMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul. Under tensor parallel each rank holds
+    a slice of the intermediate dimension and `reduce` sums the ranks' partial outputs."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, linear: Callable, *, dtype: torch.dtype,
-                 device) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, linear: Callable, reduce: Callable, *,
+                 dtype: torch.dtype, device) -> None:
         super().__init__()
-        self.linear = linear
+        self.linear, self.reduce = linear, reduce
         self.intermediate_size = intermediate_size
         self.gate_up_proj = empty_parameter(2 * intermediate_size, hidden_size, dtype=dtype, device=device)
         self.down_proj = empty_parameter(hidden_size, intermediate_size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.linear(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
-        return self.linear(F.silu(gate) * up, self.down_proj)
+        return self.reduce(self.linear(F.silu(gate) * up, self.down_proj))

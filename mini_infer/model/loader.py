@@ -1,19 +1,23 @@
-"""Load a local HF-format Qwen2 checkpoint (safetensors only) into our network.
+"""Load a local HF-format Qwen2 checkpoint (safetensors only) into our network, or into one rank's shard of it.
 
-HF's separate q/k/v and gate/up tensors are copied into slices of our fused parameters; every expected
-tensor must arrive exactly once with its exact shape, and nothing unknown may be left over.
+HF's separate q/k/v and gate/up tensors are copied into slices of our fused parameters; a tensor- or pipeline-
+parallel rank reads only its own slice of each tensor it holds (safetensors slices, so the rest is never loaded)
+and skips the layers of other stages. Every tensor must have its exact checkpoint shape, every one this rank
+holds must arrive exactly once, and nothing unknown may be left over.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from mini_infer.config import ModelConfig
+from mini_infer.distributed.comm import Comm
+from mini_infer.distributed.shard import Shard
 from mini_infer.model.ops import Ops
 from mini_infer.model.qwen2 import Qwen2ForCausalLM
 
@@ -22,9 +26,12 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some exporters write; we
 
 @dataclass(frozen=True, slots=True)
 class _Target:
+    """Copy checkpoint[rows, cols] into param[row_start : row_start + len(rows)]."""
+
     param: torch.nn.Parameter
     row_start: int
-    shape: tuple[int, ...]
+    rows: slice = field(default_factory=lambda: slice(None))
+    cols: slice = field(default_factory=lambda: slice(None))
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -46,28 +53,55 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"{model_dir}: no model.safetensors and no model.safetensors.index.json")
 
 
-def _targets(model: Qwen2ForCausalLM, config: ModelConfig) -> dict[str, _Target]:
+def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the whole checkpoint with its shape (lm_head only when untied)."""
     hidden, inter = config.hidden_size, config.intermediate_size
     q_size = config.num_attention_heads * config.head_dim
     kv_size = config.num_key_value_heads * config.head_dim
-    targets = {
-        "model.embed_tokens.weight": _Target(model.embed_tokens, 0, (config.vocab_size, hidden)),
-        "model.norm.weight": _Target(model.norm.weight, 0, (hidden,)),
-    }
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, hidden), "model.norm.weight": (hidden,)}
     if not config.tie_word_embeddings:
-        targets["lm_head.weight"] = _Target(model.lm_head, 0, (config.vocab_size, hidden))
-    for i, layer in enumerate(model.layers):
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
-        attn, mlp = layer.self_attn, layer.mlp
-        for name, start, size in (("q", 0, q_size), ("k", q_size, kv_size), ("v", q_size + kv_size, kv_size)):
-            targets[f"{p}self_attn.{name}_proj.weight"] = _Target(attn.qkv_proj, start, (size, hidden))
-            targets[f"{p}self_attn.{name}_proj.bias"] = _Target(attn.qkv_bias, start, (size,))
-        targets[f"{p}self_attn.o_proj.weight"] = _Target(attn.o_proj, 0, (hidden, q_size))
-        targets[f"{p}mlp.gate_proj.weight"] = _Target(mlp.gate_up_proj, 0, (inter, hidden))
-        targets[f"{p}mlp.up_proj.weight"] = _Target(mlp.gate_up_proj, inter, (inter, hidden))
-        targets[f"{p}mlp.down_proj.weight"] = _Target(mlp.down_proj, 0, (hidden, inter))
-        targets[f"{p}input_layernorm.weight"] = _Target(layer.input_layernorm.weight, 0, (hidden,))
-        targets[f"{p}post_attention_layernorm.weight"] = _Target(layer.post_attention_layernorm.weight, 0, (hidden,))
+        for name, size in (("q", q_size), ("k", kv_size), ("v", kv_size)):
+            shapes[f"{p}self_attn.{name}_proj.weight"] = (size, hidden)
+            shapes[f"{p}self_attn.{name}_proj.bias"] = (size,)
+        shapes[f"{p}self_attn.o_proj.weight"] = (hidden, q_size)
+        shapes[f"{p}mlp.gate_proj.weight"] = shapes[f"{p}mlp.up_proj.weight"] = (inter, hidden)
+        shapes[f"{p}mlp.down_proj.weight"] = (hidden, inter)
+        shapes[f"{p}input_layernorm.weight"] = shapes[f"{p}post_attention_layernorm.weight"] = (hidden,)
+    return shapes
+
+
+def _targets(model: Qwen2ForCausalLM, config: ModelConfig, shard: Shard) -> dict[str, list[_Target]]:
+    """Where each checkpoint tensor this rank holds goes (a tied embedding may feed two parameters)."""
+    d = config.head_dim
+    q_local, kv_local = shard.num_heads * d, shard.num_kv_heads * d
+    inter = shard.intermediate_size
+    heads = slice(shard.head_start * d, shard.head_start * d + q_local)
+    kv_heads = slice(shard.kv_head_start * d, shard.kv_head_start * d + kv_local)
+    mlp = slice(shard.intermediate_start, shard.intermediate_start + inter)
+    vocab = slice(shard.vocab_start, shard.vocab_end)
+    targets: dict[str, list[_Target]] = {}
+    if shard.first_stage:
+        targets["model.embed_tokens.weight"] = [_Target(model.embed_tokens, 0, vocab)]
+    if shard.last_stage:
+        targets["model.norm.weight"] = [_Target(model.norm.weight, 0)]
+        if model.lm_head is not model.embed_tokens:
+            head_source = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+            targets.setdefault(head_source, []).append(_Target(model.lm_head, 0, vocab))
+    for i, layer in enumerate(model.layers, start=shard.layer_start):
+        p = f"model.layers.{i}."
+        attn, mlp_module = layer.self_attn, layer.mlp
+        for name, start, rows in (("q", 0, heads), ("k", q_local, kv_heads), ("v", q_local + kv_local, kv_heads)):
+            targets[f"{p}self_attn.{name}_proj.weight"] = [_Target(attn.qkv_proj, start, rows)]
+            targets[f"{p}self_attn.{name}_proj.bias"] = [_Target(attn.qkv_bias, start, rows)]
+        targets[f"{p}self_attn.o_proj.weight"] = [_Target(attn.o_proj, 0, cols=heads)]
+        targets[f"{p}mlp.gate_proj.weight"] = [_Target(mlp_module.gate_up_proj, 0, mlp)]
+        targets[f"{p}mlp.up_proj.weight"] = [_Target(mlp_module.gate_up_proj, inter, mlp)]
+        targets[f"{p}mlp.down_proj.weight"] = [_Target(mlp_module.down_proj, 0, cols=mlp)]
+        targets[f"{p}input_layernorm.weight"] = [_Target(layer.input_layernorm.weight, 0)]
+        targets[f"{p}post_attention_layernorm.weight"] = [_Target(layer.post_attention_layernorm.weight, 0)]
     return targets
 
 
@@ -77,33 +111,48 @@ def _ignorable(name: str, config: ModelConfig) -> bool:
 
 
 def load_weights(model: Qwen2ForCausalLM, config: ModelConfig, model_dir: Path) -> None:
-    targets = _targets(model, config)
+    shard = model.shard
+    shapes = _expected_shapes(config)
+    targets = _targets(model, config, shard)
+    _zero_vocab_padding(model, shard)
     loaded: set[str] = set()
     for file in checkpoint_files(model_dir):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                target = targets.get(name)
-                if target is None:
+                if name not in shapes:
                     if _ignorable(name, config):
                         continue
                     raise ValueError(f"{file}: unexpected tensor {name!r} for a Qwen2 model of this config")
                 if name in loaded:
                     raise ValueError(f"{file}: tensor {name!r} appears in more than one shard")
-                tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != target.shape:
-                    raise ValueError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                     f"expected {target.shape} from config.json")
-                target.param.data[target.row_start: target.row_start + target.shape[0]].copy_(tensor)
+                tensor = f.get_slice(name)
+                shape = tuple(tensor.get_shape())
+                if shape != shapes[name]:
+                    raise ValueError(f"{file}: tensor {name!r} has shape {shape}, expected {shapes[name]} "
+                                     "from config.json")
                 loaded.add(name)
-    missing = sorted(set(targets) - loaded)
+                for target in targets.get(name, ()):  # none: another rank's tensor
+                    part = tensor[target.rows] if len(shape) == 1 else tensor[target.rows, target.cols]
+                    target.param.data[target.row_start: target.row_start + part.shape[0]].copy_(part)
+    missing = sorted(set(shapes) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"{model_dir}: checkpoint is missing tensors: {shown}")
 
 
+def _zero_vocab_padding(model: Qwen2ForCausalLM, shard: Shard) -> None:
+    """The last vocabulary slice may be shorter than the others: its padding rows embed to 0 and give logits
+    of 0 that the sampler cuts off."""
+    real = shard.vocab_end - shard.vocab_start
+    for param in (model.embed_tokens, model.lm_head):
+        if param is not None:
+            param.data[real:].zero_()
+
+
 def load_model(config: ModelConfig, model_dir: Path, *, dtype: torch.dtype, device: str, max_positions: int,
-               ops: Ops) -> Qwen2ForCausalLM:
-    model = Qwen2ForCausalLM(config, dtype=dtype, device=device, max_positions=max_positions, ops=ops)
+               ops: Ops, comm: Comm) -> Qwen2ForCausalLM:
+    model = Qwen2ForCausalLM(config, dtype=dtype, device=device, max_positions=max_positions, ops=ops,
+                             shard=comm.shard, comm=comm)
     load_weights(model, config, model_dir)
     ops.prepare(model.linear_weights())
     return model.eval()

@@ -1,5 +1,9 @@
 """The Qwen2 decoder-only network (Qwen2.5 family): fused QKV with bias, GQA over the paged KV cache,
 SwiGLU MLP with fused gate/up, RMSNorm, tied or untied LM head.
+
+Built for one Shard (mini_infer.distributed.shard): a single process holds the whole network; a tensor-parallel
+rank holds column slices of QKV and gate/up, row slices of o_proj and down_proj (their partial sums meet in
+Comm.all_reduce) and a vocabulary slice of the embedding and LM head; a pipeline stage holds its layers only.
 """
 
 from __future__ import annotations
@@ -10,17 +14,20 @@ from torch import nn
 from torch.profiler import record_function
 
 from mini_infer.config import ModelConfig
+from mini_infer.distributed.comm import Comm
+from mini_infer.distributed.shard import Shard
 from mini_infer.model.attention import AttentionMetadata, write_kv
 from mini_infer.model.ops import Ops
 from mini_infer.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, empty_parameter
 
 
 class Qwen2Attention(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Ops, *, dtype: torch.dtype, device) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard, comm: Comm, ops: Ops, *, dtype: torch.dtype,
+                 device) -> None:
         super().__init__()
-        self.ops = ops
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.ops, self.comm = ops, comm
+        self.num_heads = shard.num_heads
+        self.num_kv_heads = shard.num_kv_heads
         self.head_dim = config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split_sizes = (q_size, kv_size, kv_size)
@@ -41,17 +48,18 @@ class Qwen2Attention(nn.Module):
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         with record_function("attention"):
             out = self.ops.attention(q, k_cache, v_cache, meta)
-        return self.ops.linear(out.reshape(num_tokens, -1), self.o_proj)
+        return self.comm.all_reduce(self.ops.linear(out.reshape(num_tokens, -1), self.o_proj))
 
 
 class Qwen2DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Ops, *, dtype: torch.dtype, device) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard, comm: Comm, ops: Ops, *, dtype: torch.dtype,
+                 device) -> None:
         super().__init__()
         factory = dict(dtype=dtype, device=device)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-        self.self_attn = Qwen2Attention(config, ops, **factory)
+        self.self_attn = Qwen2Attention(config, shard, comm, ops, **factory)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, ops.linear, **factory)
+        self.mlp = SwiGLUMLP(config.hidden_size, shard.intermediate_size, ops.linear, comm.all_reduce, **factory)
 
     def forward(self, x, positions, rotary, kv_cache, meta) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
@@ -59,18 +67,21 @@ class Qwen2DecoderLayer(nn.Module):
 
 
 class Qwen2ForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device, max_positions: int,
-                 ops: Ops) -> None:
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device, max_positions: int, ops: Ops,
+                 shard: Shard, comm: Comm) -> None:
         super().__init__()
-        self.config = config
-        self.ops = ops
+        self.config, self.shard, self.comm, self.ops = config, shard, comm, ops
         factory = dict(dtype=dtype, device=device)
-        self.embed_tokens = empty_parameter(config.vocab_size, config.hidden_size, **factory)
-        self.layers = nn.ModuleList(Qwen2DecoderLayer(config, ops, **factory) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
+        vocab_rows = (shard.vocab_shard_size, config.hidden_size)
+        self.embed_tokens = empty_parameter(*vocab_rows, **factory) if shard.first_stage else None
+        self.layers = nn.ModuleList(Qwen2DecoderLayer(config, shard, comm, ops, **factory)
+                                    for _ in range(shard.num_layers))
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, max_positions, **factory)
-        self.lm_head = (self.embed_tokens if config.tie_word_embeddings
-                        else empty_parameter(config.vocab_size, config.hidden_size, **factory))
+        self.norm = self.lm_head = None
+        if shard.last_stage:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
+            tied_here = config.tie_word_embeddings and shard.first_stage
+            self.lm_head = self.embed_tokens if tied_here else empty_parameter(*vocab_rows, **factory)
 
     def linear_weights(self) -> list[tuple[nn.Module, str]]:
         """(module, attribute) of every matmul weight: the projections of each layer and the LM head."""
@@ -78,14 +89,27 @@ class Qwen2ForCausalLM(nn.Module):
         for layer in self.layers:
             pairs += [(layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"), (layer.mlp, "gate_up_proj"),
                       (layer.mlp, "down_proj")]
-        return pairs + [(self, "lm_head")]
+        return pairs + ([(self, "lm_head")] if self.lm_head is not None else [])
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.shard.tp_size == 1:
+            return F.embedding(input_ids, self.embed_tokens)
+        # Vocab-parallel: each rank looks up the ids in its slice, zeros the others; the sum has every row.
+        local = input_ids - self.shard.vocab_start
+        outside = (local < 0) | (local >= self.shard.vocab_end - self.shard.vocab_start)
+        x = F.embedding(local.masked_fill(outside, 0), self.embed_tokens)
+        return self.comm.all_reduce(x.masked_fill_(outside[:, None], 0))
+
+    def forward(self, inputs: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                logits_indices: torch.Tensor) -> torch.Tensor:
-        """Flat batch of new tokens -> logits [len(logits_indices), vocab] for the sampled rows only."""
-        x = F.embedding(input_ids, self.embed_tokens)
+                logits_indices: torch.Tensor) -> torch.Tensor | None:
+        """Flat batch of new tokens (their ids on the first stage, the previous stage's hidden states [T, hidden]
+        on the others) -> this stage's hidden states, or on the last stage the logits of the sampled rows only:
+        [len(logits_indices), tp * vocab_shard_size] on its tensor rank 0, None on its other tensor ranks."""
+        x = self.embed(inputs) if self.shard.first_stage else inputs
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, positions, self.rotary, kv_cache, meta)
+        if not self.shard.last_stage:
+            return x
         with record_function("lm_head"):
-            return self.ops.linear(self.norm(x[logits_indices]), self.lm_head)
+            return self.comm.gather_vocab(self.ops.linear(self.norm(x[logits_indices]), self.lm_head))
