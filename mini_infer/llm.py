@@ -9,15 +9,17 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from mini_infer.config import EngineConfig
-from mini_infer.engine.llm_engine import LLMEngine, PromptType
+from mini_infer.engine.input_processor import PromptType
+from mini_infer.distributed.data_parallel import create_engine
 from mini_infer.outputs import RequestOutput
 from mini_infer.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
     def __init__(self, model: str, **engine_args) -> None:
-        """engine_args: the EngineConfig fields (dtype, device, block_size, max_num_seqs, cpu_kernels, ...)."""
-        self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args))
+        """engine_args: the EngineConfig fields (dtype, device, block_size, max_num_seqs, cpu_kernels,
+        tensor_parallel_size, pipeline_parallel_size, data_parallel_size, ...)."""
+        self.engine = create_engine(EngineConfig(model=str(model), **engine_args))
         self._request_counter = itertools.count()
 
     def get_tokenizer(self):

@@ -155,4 +155,4 @@ def test_default_sampling_params_come_from_generation_config(model_dir, tmp_path
     llm = LLM(str(path), dtype="float32")
     params = llm.get_default_sampling_params()
     assert (params.temperature, params.top_p, params.top_k, params.repetition_penalty) == (0.7, 0.8, 20, 1.1)
-    assert {3, 4} <= llm.engine.eos_token_ids
+    assert {3, 4} <= llm.engine.processor.eos_token_ids

@@ -70,3 +70,35 @@ def workload_chart(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def parallel_chart(report: dict, path: Path) -> None:
+    """Output tokens/s per layout, beside each rank's parameter bytes and peak memory."""
+    plt = _pyplot()
+    layouts = report["layouts"]
+    fig, (rate_ax, memory_ax) = plt.subplots(1, 2, figsize=(10, 4), gridspec_kw={"width_ratios": [1, 2]})
+    names = [lay["name"] for lay in layouts]
+    medians = [lay["tok_s"]["median"] for lay in layouts]
+    spread = [[m - lay["tok_s"]["min"] for m, lay in zip(medians, layouts)],
+              [lay["tok_s"]["max"] - m for m, lay in zip(medians, layouts)]]
+    rate_ax.bar(names, medians, yerr=spread, capsize=3, color="tab:blue")
+    rate_ax.set_ylabel("output tokens / s")
+    labels, params, peaks = [], [], []
+    for lay in layouts:
+        for rank in lay["ranks"]:
+            where = f"dp{rank['replica']}.r{rank['rank']}" if "replica" in rank else f"r{rank['rank']}"
+            labels.append(f"{lay['name']}\n{where}")
+            params.append(rank["param_bytes"] / 1e6)
+            peaks.append(rank.get("cuda_max_allocated_bytes", rank["peak_rss_bytes"]) / 1e6)
+    positions = range(len(labels))
+    memory_ax.bar([p - 0.2 for p in positions], params, 0.4, label="parameters")
+    memory_ax.bar([p + 0.2 for p in positions], peaks, 0.4, label="peak memory")
+    memory_ax.set_xticks(list(positions), labels, fontsize=7)
+    memory_ax.set_ylabel("MB per rank")
+    memory_ax.legend()
+    config = report["config"]
+    fig.suptitle(f"parallel layouts: batch {config['batch_size']}, {config['max_new_tokens']} new tokens, "
+                 f"{Path(config['model']).name}, {config['dtype']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

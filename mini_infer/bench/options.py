@@ -9,7 +9,7 @@ from pathlib import Path
 
 from mini_infer.bench.systems import SYSTEM_NAMES as SYSTEMS
 
-WORKLOADS = ("fixed", "random")
+WORKLOADS = ("fixed", "random", "parallel")
 DTYPES = ("bfloat16", "float32")
 
 
@@ -35,6 +35,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     random.add_argument("--output-len-range", default="16,128", help="LOW,HIGH output tokens (inclusive)")
     random.add_argument("--batch-size", type=int, default=8, help="hf-generate's static batch size")
     random.add_argument("--seed", type=int, default=0)
+    parallel = parser.add_argument_group("parallel workload (mini-infer only; README: Scale-out)")
+    parallel.add_argument("--parallel", default=None,
+                          help="comma list of layouts, e.g. single,dp2,tp2,pp2 (also tp2pp2): one batch decoded by "
+                               "each; throughput and memory per rank (implies --workload parallel)")
+    parallel.add_argument("--parallel-batch-size", type=int, default=8)
+    parallel.add_argument("--parallel-new-tokens", type=int, default=128)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +60,9 @@ class BenchOptions:
     output_len_range: tuple[int, int]
     batch_size: int
     seed: int
+    parallel: tuple[str, ...] = ()
+    parallel_batch_size: int = 8
+    parallel_new_tokens: int = 128
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> BenchOptions:
@@ -61,20 +70,35 @@ class BenchOptions:
         if not systems or any(s not in SYSTEMS for s in systems) or len(set(systems)) != len(systems):
             raise ValueError(f"--systems must be a comma list of distinct names from {', '.join(SYSTEMS)}, "
                              f"got {args.systems!r}")
-        reps = args.reps if args.reps is not None else (3 if args.workload == "fixed" else 1)
-        for flag, value in (("--reps", reps), ("--prompt-len", args.prompt_len),
+        workload = "parallel" if args.parallel is not None else args.workload
+        parallel = _layouts(args.parallel if args.parallel is not None else "single,dp2,tp2,pp2")
+        reps = args.reps if args.reps is not None else (1 if workload == "random" else 3)
+        for flag, value in (("--reps", reps), ("--parallel-batch-size", args.parallel_batch_size),
+                            ("--parallel-new-tokens", args.parallel_new_tokens), ("--prompt-len", args.prompt_len),
                             ("--max-new-tokens", args.max_new_tokens), ("--warmup-tokens", args.warmup_tokens),
                             ("--num-requests", args.num_requests), ("--batch-size", args.batch_size)):
             at_least_one(flag, value)
         out = Path(args.out) if args.out else Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
         batch_sizes = tuple(sorted(set(int_list("--batch-sizes", args.batch_sizes))))
-        return cls(workload=args.workload, model=args.model, dtype=args.dtype,
+        return cls(workload=workload, model=args.model, dtype=args.dtype,
                    systems=tuple(s for s in SYSTEMS if s in systems), reps=reps, out=out,
                    batch_sizes=batch_sizes, prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens,
                    warmup_tokens=args.warmup_tokens,
                    num_requests=args.num_requests, input_len_range=_range("--input-len-range", args.input_len_range),
                    output_len_range=_range("--output-len-range", args.output_len_range),
-                   batch_size=args.batch_size, seed=args.seed)
+                   batch_size=args.batch_size, seed=args.seed, parallel=parallel,
+                   parallel_batch_size=args.parallel_batch_size, parallel_new_tokens=args.parallel_new_tokens)
+
+
+def _layouts(text: str) -> tuple[str, ...]:
+    from mini_infer.bench.parallel import parse_layout
+
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"--parallel must be a comma list of distinct layouts, got {text!r}")
+    for name in names:
+        parse_layout(name)
+    return names
 
 
 def at_least_one(flag: str, value: int) -> None:

@@ -7,6 +7,7 @@ import time
 
 from mini_infer.bench import charts
 from mini_infer.bench.options import BenchOptions
+from mini_infer.bench.parallel import parallel_table, run_parallel
 from mini_infer.bench.report import machine_info, versions, write_json
 from mini_infer.bench.throughput import fixed_table, run_fixed
 from mini_infer.bench.workload import random_table, run_random
@@ -15,6 +16,7 @@ from mini_infer.config import ModelConfig
 WORKLOADS = {  # name -> (run, table, chart)
     "fixed": (run_fixed, fixed_table, charts.throughput_chart),
     "random": (run_random, random_table, charts.workload_chart),
+    "parallel": (run_parallel, parallel_table, charts.parallel_chart),
 }
 
 
@@ -41,6 +43,9 @@ def _check_lengths(options: BenchOptions, model_dir: str) -> None:
     if options.workload == "fixed" and options.prompt_len + options.max_new_tokens > limit:
         raise ValueError(f"--prompt-len + --max-new-tokens must be <= {limit} (the model's "
                          f"max_position_embeddings), got {options.prompt_len + options.max_new_tokens}")
+    if options.workload == "parallel" and options.prompt_len + options.parallel_new_tokens > limit:
+        raise ValueError(f"--prompt-len + --parallel-new-tokens must be <= {limit} (the model's "
+                         f"max_position_embeddings), got {options.prompt_len + options.parallel_new_tokens}")
     if options.workload == "random" and options.input_len_range[1] + options.output_len_range[1] > limit:
         raise ValueError(f"the longest request (--input-len-range HIGH + --output-len-range HIGH) must be <= "
                          f"{limit} (the model's max_position_embeddings)")

@@ -38,10 +38,10 @@ class MiniInferSystem:
 
     name = "mini-infer"
 
-    def __init__(self, model_dir: str, dtype: str, max_requests: int) -> None:
+    def __init__(self, model_dir: str, engine_args: dict) -> None:
         from mini_infer import LLM
 
-        self.llm = LLM(model_dir, dtype=dtype, max_num_seqs=max(256, max_requests))
+        self.llm = LLM(model_dir, **engine_args)
         self._request_ids = itertools.count()
 
     def run(self, prompts: list[list[int]], output_lens: list[int]) -> RunResult:
@@ -66,6 +66,7 @@ class MiniInferSystem:
         return RunResult(token_ids, finish_s, time.perf_counter() - start)
 
     def close(self) -> None:
+        self.llm.engine.shutdown()
         del self.llm
 
 
@@ -81,7 +82,7 @@ class SystemFactory:
 
     def build(self, name: str):
         if name == "mini-infer":
-            return MiniInferSystem(self.model_dir, self.dtype, self.max_requests)
+            return MiniInferSystem(self.model_dir, dict(dtype=self.dtype, max_num_seqs=max(256, self.max_requests)))
         from mini_infer.bench import hf
 
         if self._hf_model is None:

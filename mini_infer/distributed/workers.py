@@ -186,9 +186,10 @@ class Ranks:
 
     def _failure(self, error: RuntimeError) -> BaseException:
         """Name the dead worker when one of ours died (it may take a moment to be reaped)."""
-        sentinels = [p.sentinel for p in self._processes.values()]
-        if sentinels:
-            wait(sentinels, timeout=5.0)
+        by_sentinel = {p.sentinel: p for p in self._processes.values()}
+        # A sentinel fires as the process closes its files, a moment before it can be reaped: join those.
+        for sentinel in wait(list(by_sentinel), timeout=5.0) if by_sentinel else ():
+            by_sentinel[sentinel].join(5.0)
         dead = self.dead_workers()
         self.shutdown(graceful=False)
         if dead is None:

@@ -17,7 +17,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
-from mini_infer.engine.llm_engine import LLMEngine, PromptType
+from mini_infer.engine.input_processor import PromptType
+from mini_infer.engine.llm_engine import LLMEngine
 from mini_infer.engine.metrics import EngineMetrics
 from mini_infer.outputs import RequestOutput
 from mini_infer.sampling_params import RequestOutputKind, SamplingParams
@@ -54,7 +55,14 @@ class AsyncLLMEngine:
 
     @property
     def healthy(self) -> bool:
-        return self.error is None and self._thread.is_alive()
+        """The engine thread runs and the engine's processes (worker ranks, replicas) are alive."""
+        if self.error is not None or not self._thread.is_alive():
+            return False
+        try:
+            self.engine.check_health()
+        except RuntimeError:
+            return False
+        return True
 
     async def generate(self, request_id: str, prompt: PromptType,
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -88,8 +96,10 @@ class AsyncLLMEngine:
         self._commands.put(("abort", request_id))
 
     def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread, then the engine's worker processes."""
         self._commands.put(("stop",))
         self._thread.join(timeout)
+        self.engine.shutdown()
 
     def _check_alive(self) -> None:
         if not self.healthy:
@@ -162,9 +172,7 @@ class AsyncLLMEngine:
 
     def _report_state(self) -> None:
         if self.metrics is not None:
-            scheduler = self.engine.scheduler
-            self.metrics.on_state(len(scheduler.running), len(scheduler.waiting), self.engine.kv_cache_usage(),
-                                  scheduler.num_preemptions)
+            self.metrics.on_state(*self.engine.scheduler_state())
 
     def _fail_pending_commands(self, error: EngineDeadError) -> None:
         while True:

@@ -6,7 +6,6 @@ of them reaches the scheduler, so the engine keeps serving everything else.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from mini_infer.config import EngineConfig
 from mini_infer.distributed.comm import Comm
 from mini_infer.distributed.workers import Ranks
 from mini_infer.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
+from mini_infer.engine.input_processor import InputProcessor, PromptType
 from mini_infer.engine.kv_cache import KVCacheManager
 from mini_infer.engine.request import Request, RequestStatus
 from mini_infer.engine.scheduler import Scheduler
@@ -26,11 +26,6 @@ from mini_infer.runner.model_runner import ModelRunner, prepare_inputs
 from mini_infer.runner.sampler import Sampler
 from mini_infer.sampling_params import RequestOutputKind, SamplingParams
 
-# Prompt forms: text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...} dicts.
-PromptType = str | list[int] | dict
-
-_GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
 class LLMEngine:
@@ -45,9 +40,8 @@ class LLMEngine:
         self.config = config
         model_dir = Path(config.model)
         self.tokenizer = load_tokenizer(model_dir)
-        self.generation_config = _read_generation_config(model_dir)
-        self.eos_token_ids = self._eos_token_ids()
         num_blocks = config.resolved_num_kv_blocks()
+        self.processor = InputProcessor(config, self.tokenizer, num_blocks)
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.max_num_seqs, config.max_blocks_per_seq)
         self.scheduler = Scheduler(self.kv_cache, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens)
@@ -70,19 +64,9 @@ class LLMEngine:
     def from_args(cls, model: str, **kwargs) -> LLMEngine:
         return cls(EngineConfig(model=model, **kwargs))
 
-    def _eos_token_ids(self) -> frozenset[int]:
-        ids = set(self.config.model_config.eos_token_ids)
-        eos = self.generation_config.get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return frozenset(ids)
-
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the sampling defaults of the model's generation_config.json, as vLLM does."""
-        overrides = {ours: self.generation_config[theirs] for theirs, ours in _GENERATION_CONFIG_KEYS.items()
-                     if self.generation_config.get(theirs) is not None}
-        return SamplingParams(**overrides)
+        return self.processor.default_sampling_params()
 
     # ---- requests in ----
 
@@ -90,11 +74,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use by an unfinished request",
                                       "request_id")
-        params = params if params is not None else self.default_sampling_params()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}", "params")
-        text, token_ids = self._tokenize(prompt)
-        max_tokens = self._check_lengths(len(token_ids), params)
+        text, token_ids, params, max_tokens = self.processor.process(prompt, params)
         detokenizer = IncrementalDetokenizer(self.tokenizer, params) if self.tokenizer is not None else None
         if params.stop_strings and detokenizer is None:
             raise InvalidRequestError("SamplingParams.stop needs a tokenizer; this model directory has none", "stop")
@@ -103,57 +83,11 @@ class LLMEngine:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         request = Request(
             request_id=request_id, prompt=text, prompt_token_ids=token_ids, params=params, max_tokens=max_tokens,
-            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+            eos_token_ids=frozenset() if params.ignore_eos else self.processor.eos_token_ids,
             detokenizer=detokenizer, generator=generator,
         )
         self.requests[request_id] = request
         self.scheduler.add(request)
-
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise InvalidRequestError("a dict prompt needs a 'prompt' or a 'prompt_token_ids' key", "prompt")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError(f"text prompts need a tokenizer and {self.config.model} has no "
-                                          "tokenizer.json; pass token ids instead", "prompt")
-            text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
-        elif isinstance(prompt, (list, tuple)):
-            text, token_ids = None, list(prompt)
-        else:
-            raise InvalidRequestError("prompt must be a string, a list of token ids or a dict, got "
-                                      f"{type(prompt).__name__}", "prompt")
-        if not token_ids:
-            raise InvalidRequestError("prompt is empty: it must have at least one token", "prompt")
-        vocab = self.config.model_config.vocab_size
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
-            raise InvalidRequestError("prompt token ids must be integers", "prompt")
-        if min(token_ids) < 0 or max(token_ids) >= vocab:
-            bad = next(t for t in token_ids if not 0 <= t < vocab)
-            raise InvalidRequestError(f"prompt token id {bad} is out of range: token ids must be in "
-                                      f"[0, {vocab - 1}]", "prompt")
-        return text, token_ids
-
-    def _check_lengths(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        max_len = self.config.max_model_len
-        if num_prompt_tokens >= max_len:
-            raise InvalidRequestError(f"prompt has {num_prompt_tokens} tokens; max_model_len is {max_len}, which "
-                                      "leaves no room to generate (prompt length must be < max_model_len)", "prompt")
-        max_tokens = params.max_tokens if params.max_tokens is not None else max_len - num_prompt_tokens
-        if num_prompt_tokens + max_tokens > max_len:
-            raise InvalidRequestError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
-                                      f"{num_prompt_tokens + max_tokens} exceeds max_model_len ({max_len})",
-                                      "max_tokens")
-        blocks = self.kv_cache.blocks_for(num_prompt_tokens + max_tokens)
-        if blocks > self.kv_cache.num_blocks:
-            raise InvalidRequestError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs "
-                                      f"{blocks} KV blocks but the whole cache has {self.kv_cache.num_blocks} "
-                                      f"(block_size {self.kv_cache.block_size})", "max_tokens")
-        return max_tokens
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Abort unfinished requests (unknown or finished ids are ignored); their blocks return at once and
@@ -301,13 +235,3 @@ def _make_output(request: Request) -> RequestOutput | None:
     )
     return RequestOutput(request_id=request.request_id, prompt=request.prompt,
                          prompt_token_ids=request.prompt_token_ids, outputs=[completion], finished=request.finished)
-
-
-def _read_generation_config(model_dir: Path) -> dict:
-    path = model_dir / "generation_config.json"
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from e

@@ -1,6 +1,6 @@
 """The `mini-infer` command: `make-model` writes a random-weight checkpoint, `generate` streams a completion,
 `serve` runs the OpenAI-compatible server, `bench` compares mini-infer with HF transformers, `bench-serve`
-load-tests a server, `profile` breaks a decode step down."""
+load-tests a server, `profile` breaks a decode step down, `worker` runs one rank of a multi-node launch."""
 
 from __future__ import annotations
 
@@ -36,13 +36,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-kernels", default="auto", choices=["auto", "on", "off"],
                         help="native CPU kernels for the matmuls and decode attention (auto: on for bf16/fp32 "
                              "on the CPU when they build)")
+    parallel = parser.add_argument_group("parallelism (README: Scale-out)")
+    parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                          help="ranks that split every layer (Megatron-style)")
+    parallel.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                          help="stages that split the layers")
+    parallel.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                          help="engine replicas behind a least-outstanding-work router")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, device=args.device, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                cpu_kernels=args.cpu_kernels)
+                cpu_kernels=args.cpu_kernels, tensor_parallel_size=args.tensor_parallel_size,
+                pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size)
 
 
 def resolve_model(model: str | None) -> str:
@@ -82,6 +90,9 @@ def _build_parser() -> argparse.ArgumentParser:
                                               "prompts, weights and threads; writes a table, JSON and a PNG chart")
     add_bench_args(bench)
     add_profile_parser(commands)
+    worker = commands.add_parser("worker", help="run one rank (RANK >= 1) of a torchrun-style multi-node launch; "
+                                                "give it the engine flags rank 0 runs with")
+    add_engine_args(worker)
     add_serve_parser(commands)
     add_bench_serve_parser(commands)
     return parser
@@ -102,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
             from mini_infer.bench.serve import run_bench_serve
 
             run_bench_serve(args)
+            return 0
+        if args.command == "worker":
+            from mini_infer.config import EngineConfig
+            from mini_infer.distributed.workers import run_worker
+
+            run_worker(EngineConfig(model=resolve_model(args.model), **engine_kwargs(args)))
             return 0
         if args.command == "serve":
             from mini_infer.entrypoints.openai.api_server import run_server
@@ -133,9 +150,11 @@ def _bench(args) -> int:
 def _generate(args) -> int:
     from dataclasses import replace
 
-    from mini_infer import LLMEngine, RequestOutputKind
+    from mini_infer import RequestOutputKind
+    from mini_infer.config import EngineConfig
+    from mini_infer.distributed.data_parallel import create_engine
 
-    engine = LLMEngine.from_args(resolve_model(args.model), **engine_kwargs(args))
+    engine = create_engine(EngineConfig(model=resolve_model(args.model), **engine_kwargs(args)))
     chosen = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (_, field) in _SAMPLING_FLAGS.items()}
     chosen = {k: v for k, v in chosen.items() if v is not None}
     params = replace(engine.default_sampling_params(), **chosen, max_tokens=args.max_tokens,

@@ -430,7 +430,8 @@ def run_server(args) -> int:
 
     import uvicorn
 
-    from mini_infer.engine.llm_engine import LLMEngine
+    from mini_infer.config import EngineConfig
+    from mini_infer.distributed.data_parallel import create_engine
     from mini_infer.engine.metrics import EngineMetrics
     from mini_infer.entrypoints.cli import engine_kwargs, resolve_model
 
@@ -440,7 +441,7 @@ def run_server(args) -> int:
     name = args.served_model_name or args.model or Path(model_dir).name
     api_key = args.api_key if args.api_key is not None else os.environ.get("MINI_INFER_API_KEY")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    engine = AsyncLLMEngine(LLMEngine.from_args(model_dir, **engine_kwargs(args)), EngineMetrics(name))
+    engine = AsyncLLMEngine(create_engine(EngineConfig(model=model_dir, **engine_kwargs(args))), EngineMetrics(name))
     app = build_app(engine, name, api_key=api_key, max_body_bytes=args.max_body_bytes)
     logging.getLogger("mini_infer").info("serving %s (%s) on http://%s:%d/v1", name, model_dir, args.host, args.port)
     try:

@@ -1,0 +1,112 @@
+"""InputProcessor: a request's prompt tokenized and every input checked before anything of it runs.
+
+An engine uses it in add_request, and a data-parallel router uses it before picking a replica, so a bad request
+fails at once, in the caller, with an InvalidRequestError naming the field and its allowed range.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from mini_infer.config import EngineConfig
+from mini_infer.errors import InvalidRequestError
+from mini_infer.sampling_params import SamplingParams
+
+# Prompt forms: text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...} dicts (with both keys the
+# ids are the prompt and the text is kept for the outputs).
+PromptType = str | list[int] | dict
+
+_GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer, num_kv_blocks: int) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.num_kv_blocks = num_kv_blocks
+        self.generation_config = _read_generation_config(Path(config.model))
+        self.eos_token_ids = self._eos_token_ids()
+
+    def _eos_token_ids(self) -> frozenset[int]:
+        ids = set(self.config.model_config.eos_token_ids)
+        eos = self.generation_config.get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the sampling defaults of the model's generation_config.json, as vLLM does."""
+        overrides = {ours: self.generation_config[theirs] for theirs, ours in _GENERATION_CONFIG_KEYS.items()
+                     if self.generation_config.get(theirs) is not None}
+        return SamplingParams(**overrides)
+
+    def process(self, prompt: PromptType, params: SamplingParams | None
+                ) -> tuple[str | None, list[int], SamplingParams, int]:
+        """(prompt text or None, prompt token ids, params (the defaults when None), max_tokens to generate)."""
+        params = params if params is not None else self.default_sampling_params()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}", "params")
+        text, token_ids = self._tokenize(prompt)
+        return text, token_ids, params, self._check_lengths(len(token_ids), params)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        text = None
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                text = prompt.get("prompt") if isinstance(prompt.get("prompt"), str) else None
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise InvalidRequestError("a dict prompt needs a 'prompt' or a 'prompt_token_ids' key", "prompt")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError(f"text prompts need a tokenizer and {self.config.model} has no "
+                                          "tokenizer.json; pass token ids instead", "prompt")
+            text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+        elif isinstance(prompt, (list, tuple)):
+            token_ids = list(prompt)
+        else:
+            raise InvalidRequestError("prompt must be a string, a list of token ids or a dict, got "
+                                      f"{type(prompt).__name__}", "prompt")
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty: it must have at least one token", "prompt")
+        vocab = self.config.model_config.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+            raise InvalidRequestError("prompt token ids must be integers", "prompt")
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            bad = next(t for t in token_ids if not 0 <= t < vocab)
+            raise InvalidRequestError(f"prompt token id {bad} is out of range: token ids must be in "
+                                      f"[0, {vocab - 1}]", "prompt")
+        return text, token_ids
+
+    def _check_lengths(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        max_len = self.config.max_model_len
+        if num_prompt_tokens >= max_len:
+            raise InvalidRequestError(f"prompt has {num_prompt_tokens} tokens; max_model_len is {max_len}, which "
+                                      "leaves no room to generate (prompt length must be < max_model_len)", "prompt")
+        max_tokens = params.max_tokens if params.max_tokens is not None else max_len - num_prompt_tokens
+        if num_prompt_tokens + max_tokens > max_len:
+            raise InvalidRequestError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+                                      f"{num_prompt_tokens + max_tokens} exceeds max_model_len ({max_len})",
+                                      "max_tokens")
+        block_size = self.config.block_size
+        blocks = -(-(num_prompt_tokens + max_tokens) // block_size)
+        if blocks > self.num_kv_blocks:
+            raise InvalidRequestError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs "
+                                      f"{blocks} KV blocks but the whole cache has {self.num_kv_blocks} "
+                                      f"(block_size {block_size})", "max_tokens")
+        return max_tokens
+
+
+def _read_generation_config(model_dir: Path) -> dict:
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e

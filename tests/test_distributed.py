@@ -1,0 +1,337 @@
+"""Scale-out on the CPU (gloo, tiny models): tensor, pipeline and data parallel give the single-process engine's
+greedy tokens (and so HF's) on a mixed-length batch; ranks hold their share of the parameters; a dead worker
+or replica stops the engine with a clear error at once and leaves no process behind; the torchrun-style launch;
+the data-parallel router."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from conftest import PARITY_CONFIGS, build_hf_model, hf_greedy, save_hf_model
+from mini_infer import LLM, SamplingParams
+from mini_infer.bench.parallel import parse_layout, parallel_table, run_parallel
+from mini_infer.bench.options import BenchOptions
+from mini_infer.config import EngineConfig
+from mini_infer.distributed.data_parallel import DataParallelEngine
+from mini_infer.distributed.shard import make_shard
+from mini_infer.errors import InvalidRequestError, WorkerDiedError
+
+PROMPT_LENGTHS = [1, 7, 33, 100, 5, 16]
+MAX_NEW_TOKENS = 24
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=8, ignore_eos=True)
+
+
+def descendants(root: int) -> list[int]:
+    """Every live process under `root`, bar multiprocessing's resource tracker (it leaves with its parent)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmdline = f.read()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if fields[0] != "Z" and b"resource_tracker" not in cmdline:
+                parents[int(entry)] = int(fields[1])
+    found, frontier = [], [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent]
+        found += children
+        frontier += children
+    return found
+
+
+_REFERENCES: dict[str, tuple] = {}
+
+
+def _reference(name: str, tmp_path_factory) -> tuple:
+    """(name, checkpoint, prompts, HF greedy of each prompt alone, the single-process engine's greedy and seeded
+    runs), built once per model."""
+    if name not in _REFERENCES:
+        model = build_hf_model(seed=3, **PARITY_CONFIGS[name])
+        path = save_hf_model(model, tmp_path_factory.mktemp(name))
+        rng = random.Random(name)
+        prompts = [[rng.randrange(model.config.vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS]
+        expected = [hf_greedy(model, p, MAX_NEW_TOKENS) for p in prompts]
+        single = LLM(str(path), dtype="float64", block_size=4)
+        greedy = [o.outputs[0].token_ids for o in single.generate(prompts, GREEDY, use_tqdm=False)]
+        seeded = [o.outputs[0].token_ids for o in single.generate(prompts, SEEDED, use_tqdm=False)]
+        _REFERENCES[name] = (name, path, prompts, expected, greedy, seeded)
+    return _REFERENCES[name]
+
+
+@pytest.fixture(scope="module", params=["untied-gqa", "tied-1kv", "untied-mha"])
+def reference(request, tmp_path_factory):
+    return _reference(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def untied_reference(tmp_path_factory):
+    """The untied model: its head is not a second copy of the embedding on the last stage."""
+    return _reference("untied-gqa", tmp_path_factory)
+
+
+# Which layouts each model runs: tied-1kv has one KV head, so tp=2 replicates it; untied-mha has 3 layers, so
+# its stages are uneven, and 6 KV heads split 3 per rank.
+LAYOUTS = {
+    "untied-gqa": ["tp2", "pp2", "dp2"],
+    "tied-1kv": ["tp2", "pp2", "tp2pp2"],
+    "untied-mha": ["tp2pp2", "pp3", "dp2tp2"],
+}
+
+
+@pytest.mark.parametrize("index", range(3))
+def test_parallel_greedy_equals_single_process_and_hf(reference, index):
+    name, path, prompts, expected, greedy, seeded = reference
+    layout = parse_layout(LAYOUTS[name][index])
+    llm = LLM(str(path), dtype="float64", block_size=4, **layout.sizes)
+    try:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == greedy == expected
+        assert [o.request_id for o in outputs] == [str(i) for i in range(len(prompts))]
+        # Rank 0 samples from the same logits, so seeded sampling draws the same tokens too.
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, SEEDED, use_tqdm=False)] == seeded
+        assert llm.engine.kv_cache_usage() == 0.0
+    finally:
+        llm.engine.shutdown()
+    assert descendants(os.getpid()) == []
+
+
+def test_tensor_parallel_replicates_kv_heads_it_cannot_split():
+    """4 query heads over 1 KV head at tp=2 and tp=4: every rank keeps that KV head (parity above runs tp=2)."""
+    config = _config(num_attention_heads=4, num_key_value_heads=1)
+    for tp in (2, 4):
+        shards = [make_shard(config, tp, rank) for rank in range(tp)]
+        assert [(s.num_kv_heads, s.kv_head_start, s.num_heads, s.head_start) for s in shards] == \
+            [(1, 0, 4 // tp, rank * 4 // tp) for rank in range(tp)]
+    # 8 query heads over 2 KV heads at tp=4: ranks 0-1 share KV head 0, ranks 2-3 KV head 1.
+    config = _config(num_attention_heads=8, num_key_value_heads=2)
+    assert [make_shard(config, 4, rank).kv_head_start for rank in range(4)] == [0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("overrides, sizes, message", [
+    (dict(num_attention_heads=6, num_key_value_heads=3), dict(tensor_parallel_size=2),
+     "tensor_parallel_size=2 cannot split num_key_value_heads=3"),
+    (dict(num_attention_heads=6, num_key_value_heads=6), dict(tensor_parallel_size=4),
+     "tensor_parallel_size=4 must divide num_attention_heads=6"),
+    (dict(num_hidden_layers=2), dict(pipeline_parallel_size=3), "pipeline_parallel_size=3 exceeds num_hidden_layers=2"),
+    (dict(), dict(data_parallel_size=0), "data_parallel_size must be an integer >= 1"),
+])
+def test_layouts_that_do_not_split_the_model_are_refused(tmp_path, overrides, sizes, message):
+    settings = dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3)
+    settings.update(overrides)
+    path = save_hf_model(build_hf_model(**settings), tmp_path / "model")
+    with pytest.raises(ValueError, match=message):
+        LLM(str(path), dtype="float32", **sizes)
+    assert descendants(os.getpid()) == []
+
+
+def test_tensor_and_pipeline_ranks_hold_half_the_parameters(untied_reference):
+    _, path, *_ = untied_reference
+    single = LLM(str(path), dtype="float32").engine.memory_stats()[0]["param_bytes"]
+    for sizes in (dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)):
+        llm = LLM(str(path), dtype="float32", **sizes)
+        try:
+            stats = llm.engine.memory_stats()
+        finally:
+            llm.engine.shutdown()
+        assert [s["rank"] for s in stats] == [0, 1]
+        for s in stats:
+            assert 0.45 * single <= s["param_bytes"] <= 0.55 * single, (sizes, s["param_bytes"], single)
+            assert s["kv_bytes"] > 0 and s["peak_rss_bytes"] > s["param_bytes"]
+
+
+def _kill_during_generate(llm: LLM, victim: int) -> float:
+    """Kill `victim` one second into a long generate; seconds from the kill to WorkerDiedError."""
+    killed_at = []
+
+    def kill() -> None:
+        os.kill(victim, signal.SIGKILL)
+        killed_at.append(time.monotonic())
+
+    timer = threading.Timer(1.0, kill)
+    timer.start()
+    with pytest.raises(WorkerDiedError) as error:
+        llm.generate([[1, 2, 3]] * 4, SamplingParams(temperature=0, max_tokens=900, ignore_eos=True), use_tqdm=False)
+    timer.join()
+    assert f"pid {victim}" in str(error.value) and "exited with code -9" in str(error.value)
+    return time.monotonic() - killed_at[0]
+
+
+@pytest.mark.parametrize("sizes, num_processes", [
+    (dict(tensor_parallel_size=2), 1),  # rank 1 (the victim)
+    (dict(data_parallel_size=2), 2),  # two replicas (the second is the victim)
+    (dict(data_parallel_size=2, pipeline_parallel_size=2), 4),  # two replicas and their rank 1s (one a victim)
+])
+def test_killed_worker_stops_the_engine_at_once_and_leaves_no_process(tiny_model_dir, sizes, num_processes):
+    llm = LLM(str(tiny_model_dir), dtype="float32", **sizes)
+    children = descendants(os.getpid())
+    assert len(children) == num_processes
+    seconds = _kill_during_generate(llm, children[-1])
+    assert seconds < 10
+    assert descendants(os.getpid()) == []
+    with pytest.raises(WorkerDiedError, match="the engine has stopped"):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+CTRL_C_SCRIPT = """
+import sys
+from mini_infer import LLM, SamplingParams
+llm = LLM(sys.argv[1], dtype="float32", data_parallel_size=2, tensor_parallel_size=2)
+print("ready", flush=True)
+llm.generate([[1, 2, 3]] * 4, SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True),
+             use_tqdm=False)
+"""
+
+
+def test_ctrl_c_stops_every_process(tiny_model_dir):
+    """SIGINT to the whole process group (what a terminal's Ctrl-C does) mid-generate: nothing survives."""
+    process = subprocess.Popen([sys.executable, "-c", CTRL_C_SCRIPT, str(tiny_model_dir)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert process.stdout.readline().strip() == "ready"
+        time.sleep(1.0)
+        assert len(_group_members(process.pid)) >= 5  # the router, 2 replicas, 2 workers (+ resource tracker)
+        os.killpg(process.pid, signal.SIGINT)
+        process.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while _group_members(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _group_members(process.pid) == []
+        assert "KeyboardInterrupt" in process.stderr.read()
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(int(entry))
+    return members
+
+
+def test_torchrun_style_launch_runs_rank_1_as_mini_infer_worker(untied_reference, monkeypatch):
+    """Two 'machines' on loopback: rank 1 is `mini-infer worker` started from the environment variables, rank 0
+    this process with the same variables; same tokens as a single process."""
+    _, path, prompts, expected, _, _ = untied_reference
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
+    worker = subprocess.Popen([sys.executable, "-m", "mini_infer.entrypoints.cli", "worker", "--model", str(path),
+                               "--dtype", "float64", "--block-size", "4", "--tensor-parallel-size", "2"],
+                              env={**os.environ, **env, "RANK": "1"}, stderr=subprocess.PIPE, text=True)
+    try:
+        for key, value in {**env, "RANK": "0"}.items():
+            monkeypatch.setenv(key, value)
+        llm = LLM(str(path), dtype="float64", block_size=4, tensor_parallel_size=2)
+        try:
+            outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        finally:
+            llm.engine.shutdown()
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        assert worker.wait(timeout=30) == 0, worker.stderr.read()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+
+
+def test_worker_command_refuses_rank_0_and_a_missing_environment(tiny_model_dir, monkeypatch):
+    from mini_infer.entrypoints.cli import main
+
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    assert main(["worker", "--model", str(tiny_model_dir), "-tp", "2"]) == 2
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    assert main(["worker", "--model", str(tiny_model_dir), "-tp", "2"]) == 2
+
+
+def test_router_sends_each_request_to_the_least_loaded_replica(tiny_model_dir):
+    engine = DataParallelEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", data_parallel_size=2))
+    try:
+        engine.add_request("long", [1] * 10, SamplingParams(max_tokens=300, ignore_eos=True))  # 310 tokens of work
+        engine.add_request("short-a", [2] * 5, SamplingParams(max_tokens=20, ignore_eos=True))  # 25
+        engine.add_request("short-b", [3] * 5, SamplingParams(max_tokens=20, ignore_eos=True))  # 25
+        assert engine._owner == {"long": 0, "short-a": 1, "short-b": 1}
+        assert engine.loads() == [310, 50]
+        with pytest.raises(InvalidRequestError, match="prompt token id") as error:  # a bad one fails alone, here
+            engine.add_request("bad", [10**9], SamplingParams(max_tokens=2))
+        assert error.value.field == "prompt"
+        with pytest.raises(InvalidRequestError, match="already in use"):
+            engine.add_request("long", [1], SamplingParams(max_tokens=2))
+        engine.abort_request("long")
+        finished = {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = output.outputs[0]
+        assert {rid: c.finish_reason for rid, c in finished.items()} == \
+            {"long": "abort", "short-a": "length", "short-b": "length"}
+        assert [len(finished[r].token_ids) for r in ("short-a", "short-b")] == [20, 20]
+        assert engine.loads() == [0, 0] and engine.scheduler_state()[:3] == (0, 0, 0.0)
+    finally:
+        engine.shutdown()
+    assert descendants(os.getpid()) == []
+
+
+def test_bench_parallel_reports_throughput_and_memory_per_rank(tiny_model_dir, tmp_path, capsys):
+    from mini_infer.entrypoints.cli import main
+
+    out = tmp_path / "par"
+    assert main(["bench", "--model", str(tiny_model_dir), "--dtype", "float32", "--parallel", "single,tp2,dp2",
+                 "--parallel-batch-size", "4", "--parallel-new-tokens", "3", "--reps", "1", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    import json
+
+    report = json.loads((out / "parallel.json").read_text())
+    layouts = {lay["name"]: lay for lay in report["layouts"]}
+    assert list(layouts) == ["single", "tp2", "dp2"] and layouts["single"]["vs_single"] == 1.0
+    for name, lay in layouts.items():
+        assert [run["output_tokens"] for run in lay["runs"]] == [4 * 3]
+        assert len(lay["ranks"]) == lay["num_ranks"] == (1 if name == "single" else 2)
+    tp = layouts["tp2"]["ranks"]
+    assert all(r["kv_bytes"] * 2 == layouts["single"]["ranks"][0]["kv_bytes"] for r in tp)
+    assert [r["replica"] for r in layouts["dp2"]["ranks"]] == [0, 1]
+    assert "peak RSS MB" in printed and "dp1.r0" in printed and "r1" in printed
+    assert (out / "parallel.png").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize("text", ["tp", "tp2tp2", "ep2", "tp0"])
+def test_bad_parallel_layouts_are_refused_by_name(text):
+    with pytest.raises(ValueError, match="--parallel"):
+        parse_layout(text)
+
+
+def _config(**overrides):
+    from mini_infer.config import ModelConfig
+
+    raw = dict(architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, vocab_size=100, max_position_embeddings=64,
+               rope_theta=10000.0)
+    raw.update(overrides)
+    return ModelConfig.from_dict(raw)
