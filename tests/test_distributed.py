@@ -23,6 +23,7 @@ from mini_infer.bench.options import BenchOptions
 from mini_infer.config import EngineConfig
 from mini_infer.distributed.data_parallel import DataParallelEngine
 from mini_infer.distributed.shard import make_shard
+from mini_infer.distributed.shm import SHM_DIR
 from mini_infer.errors import InvalidRequestError, WorkerDiedError
 
 PROMPT_LENGTHS = [1, 7, 33, 100, 5, 16]
@@ -335,3 +336,92 @@ def _config(**overrides):
                rope_theta=10000.0)
     raw.update(overrides)
     return ModelConfig.from_dict(raw)
+
+
+def test_server_over_data_parallel_replicas(tiny_model_dir):
+    """`serve` builds its engine with create_engine: concurrent completions over 2 replicas equal offline
+    generation; /health turns 503 once a replica dies."""
+    import asyncio
+
+    import httpx
+
+    from mini_infer.distributed.data_parallel import create_engine
+    from mini_infer.engine.async_engine import AsyncLLMEngine
+    from mini_infer.engine.metrics import EngineMetrics
+    from mini_infer.entrypoints.openai.api_server import build_app
+    from test_server import ServerThread
+
+    args = dict(dtype="float64", num_kv_blocks=256, max_num_seqs=16)
+    texts = [f"river stone {i} " * (1 + i) for i in range(8)]
+    offline = LLM(str(tiny_model_dir), **args)
+    expected = [o.outputs[0].text for o in offline.generate(
+        texts, SamplingParams(temperature=0, max_tokens=5, repetition_penalty=1.0), use_tqdm=False)]
+    engine = AsyncLLMEngine(create_engine(EngineConfig(model=str(tiny_model_dir), data_parallel_size=2, **args)),
+                            EngineMetrics("tiny"))
+    try:
+        with ServerThread(build_app(engine, "tiny")) as server:
+            async def complete_all():
+                async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+                    bodies = [dict(model="tiny", prompt=t, max_tokens=5, temperature=0, repetition_penalty=1.0)
+                              for t in texts]
+                    return await asyncio.gather(*(http.post("/v1/completions", json=b) for b in bodies))
+
+            responses = asyncio.run(complete_all())
+            assert [r.json()["choices"][0]["text"] for r in responses] == expected
+            assert httpx.get(server.url + "/health").status_code == 200
+            replica = engine.engine.replicas[1].process
+            os.kill(replica.pid, signal.SIGKILL)
+            replica.join(10)
+            assert httpx.get(server.url + "/health").status_code == 503
+    finally:
+        engine.shutdown()
+    assert descendants(os.getpid()) == []
+
+
+def _shm_rank(rank: int, world: int, port: int, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from mini_infer.distributed.shm import ShmAllReduce
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    reduce = ShmAllReduce(dist.group.WORLD, rank, world, leader=0)
+    out = {}
+    for dtype, numel in ((torch.float64, 7), (torch.bfloat16, 4099), (torch.float32, 3 * (1 << 20) // 2)):
+        gen = torch.Generator().manual_seed(rank)
+        x = torch.randn(numel, generator=gen, dtype=torch.float64).to(dtype)
+        for _ in range(3):  # rounds reuse the two buffers
+            out[(str(dtype), numel)] = reduce(x.clone())
+    results.put((rank, {key: value.double().tolist() for key, value in out.items()}))  # plain data: exact
+    dist.destroy_process_group()
+
+
+def test_shared_memory_all_reduce_sums_in_rank_order_on_every_rank():
+    """3 ranks (more than the cores here: the waiting path yields); float64, bfloat16 (summed in float32 and
+    rounded once) and a float32 tensor of 6 MB, over the 4 MB slot: every rank gets the same, exact sum."""
+    import torch
+    import torch.multiprocessing as mp
+
+    world = 3
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    processes = [context.Process(target=_shm_rank, args=(r, world, port, results)) for r in range(world)]
+    for p in processes:
+        p.start()
+    outs = dict(results.get(timeout=120) for _ in range(world))
+    for p in processes:
+        p.join(30)
+        assert p.exitcode == 0
+    for (dtype_name, numel), got in outs[0].items():
+        dtype = getattr(torch, dtype_name.removeprefix("torch."))
+        got = torch.tensor(got, dtype=torch.float64).to(dtype)
+        parts = [torch.randn(numel, generator=torch.Generator().manual_seed(r), dtype=torch.float64).to(dtype)
+                 for r in range(world)]
+        accumulate = torch.float64 if dtype == torch.float64 else torch.float32
+        expected = (parts[0].to(accumulate) + parts[1].to(accumulate) + parts[2].to(accumulate)).to(dtype)
+        assert torch.equal(got, expected), dtype_name
+        assert all(outs[r][(dtype_name, numel)] == outs[0][(dtype_name, numel)] for r in range(1, world))
+    assert not any(SHM_DIR.glob("mini-infer-tp-*"))

@@ -3,11 +3,14 @@ the runner makes. A single process gets Comm.local(): every collective is the id
 
 Global ranks are laid out stage-major, rank = pp_rank * tp_size + tp_rank, so rank 0 (the engine, which also
 schedules and samples) is tensor rank 0 of the first stage. Collectives run on the device group (gloo on the
-CPU, NCCL on CUDA); the step descriptions rank 0 broadcasts go over a gloo group (`control`) either way.
+CPU, NCCL on CUDA), except the tensor-parallel all-reduce of CPU ranks on one machine, which goes through shared
+memory (mini_infer.distributed.shm: gloo's ~2 ms per all-reduce here would be half a decode step); the step
+descriptions rank 0 broadcasts go over a gloo group (`control`) either way.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -16,6 +19,7 @@ import torch.distributed as dist
 
 from mini_infer.config import EngineConfig
 from mini_infer.distributed.shard import Shard, make_shard
+from mini_infer.distributed.shm import ShmAllReduce, shm_unavailable_reason
 
 
 @dataclass(slots=True)
@@ -25,6 +29,8 @@ class Comm:
     world_size: int = 1
     tp_group: object | None = None  # this stage's tensor-parallel group
     control: object | None = None  # gloo group of every rank: step descriptions from rank 0
+    shm_all_reduce: Callable | None = None  # the stage's shared-memory all-reduce, when its ranks share a machine
+    tp_all_reduce: str = "none (one rank)"  # which all-reduce runs, and why
 
     @classmethod
     def local(cls, config: EngineConfig) -> Comm:
@@ -38,6 +44,8 @@ class Comm:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum the partial results of a row-parallel layer (or the vocab-parallel embedding) over the stage."""
+        if self.shm_all_reduce is not None:
+            return self.shm_all_reduce(x)
         if self.shard.tp_size > 1:
             dist.all_reduce(x, group=self.tp_group)
         return x
@@ -77,7 +85,7 @@ class Comm:
         return (self.shard.pp_size - 1) * self.shard.tp_size
 
 
-def init_process_groups(config: EngineConfig, rank: int, world_size: int, init_method: str,
+def init_process_groups(config: EngineConfig, rank: int, world_size: int, init_method: str, device: torch.device,
                         timeout_s: float) -> Comm:
     """Join the world (every rank calls this with the same config) and build this rank's groups."""
     if dist.is_initialized():
@@ -96,4 +104,12 @@ def init_process_groups(config: EngineConfig, rank: int, world_size: int, init_m
         if stage == rank // tp:
             tp_group = group
     shard = make_shard(config.model_config, tp, rank % tp, pp, rank // tp)
-    return Comm(shard, rank=rank, world_size=world_size, tp_group=tp_group, control=control)
+    comm = Comm(shard, rank=rank, world_size=world_size, tp_group=tp_group, control=control)
+    if tp > 1:
+        reason = shm_unavailable_reason(tp_group, device)
+        if reason is None:
+            comm.shm_all_reduce = ShmAllReduce(tp_group, shard.tp_rank, tp, leader=rank - shard.tp_rank)
+            comm.tp_all_reduce = "shared memory"
+        else:
+            comm.tp_all_reduce = f"{backend} ({reason})"
+    return comm

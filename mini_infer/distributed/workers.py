@@ -134,7 +134,7 @@ class Ranks:
         def join() -> None:
             try:
                 result["comm"] = init_process_groups(self.config, 0, launch.world_size, launch.init_method,
-                                                     TIMEOUT_S)
+                                                     launch.device, TIMEOUT_S)
             except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
                 result["error"] = e
 
@@ -225,7 +225,7 @@ def worker_main(config: EngineConfig, launch: Launch) -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; rank 0 stops us
     _apply(launch)
-    comm = init_process_groups(config, launch.rank, launch.world_size, launch.init_method, TIMEOUT_S)
+    comm = init_process_groups(config, launch.rank, launch.world_size, launch.init_method, launch.device, TIMEOUT_S)
     runner = ModelRunner(config, config.resolved_num_kv_blocks(), comm, launch.device)
     try:
         dist.barrier(group=comm.control)

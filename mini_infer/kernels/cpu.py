@@ -1,4 +1,5 @@
-"""mini-infer's native CPU kernels (AVX2 + FMA, OpenMP): matmuls and paged decode attention.
+"""mini-infer's native CPU kernels (AVX2 + FMA, OpenMP): matmuls and paged decode attention; and the shared-memory
+all-reduce of tensor-parallel ranks on one machine.
 
 torch's CPU matmul in bfloat16 is only fast where the CPU has native bf16 instructions (AVX512-BF16, AMX);
 elsewhere it runs near 18 GFLOP/s. These kernels widen bf16 to float32 in registers instead, so they read each
@@ -21,10 +22,11 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17"]
 DTYPES = (torch.bfloat16, torch.float32)
 _CODES = {torch.float32: 0, torch.bfloat16: 1}
 PANEL = 16  # output columns per panel of a packed weight (cpu_gemm.cpp)
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-_SIGNATURES = {  # source file -> (function, argument types)
-    "cpu_gemm.cpp": ("gemm", [_P, _I] * 4 + [_I] * 4),
-    "cpu_attention.cpp": ("paged_decode_attention", [_P] * 6 + [_I] * 8 + [_F, _I]),
+_P, _I, _F, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
+_SIGNATURES = {  # source file -> (function, argument types, result type)
+    "cpu_gemm.cpp": ("gemm", [_P, _I] * 4 + [_I] * 4, None),
+    "cpu_attention.cpp": ("paged_decode_attention", [_P] * 6 + [_I] * 8 + [_F, _I], None),
+    "shm_allreduce.cpp": ("shm_allreduce", [_P, _I, _I, _L, ctypes.c_int64, _P, _I, _L], _L),
 }
 
 
@@ -33,10 +35,10 @@ def _function(source: str):
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
         raise KernelUnavailable(f"the CPU lacks AVX2 + FMA (torch reports {capability})")
-    name, argtypes = _SIGNATURES[source]
+    name, argtypes, restype = _SIGNATURES[source]
     here = Path(__file__).parent
     function = getattr(build_library(here / source, FLAGS, headers=(here / "bf16.h",)), name)
-    function.argtypes, function.restype = argtypes, None
+    function.argtypes, function.restype = argtypes, restype
     return function
 
 
@@ -102,3 +104,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out.data_ptr(), _CODES[q.dtype], _CODES[k_cache.dtype], num_reqs, heads, kv_heads, head_dim, block_size,
         block_tables.shape[1], 1.0 / math.sqrt(head_dim), torch.get_num_threads())
     return out
+
+
+_SHM_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float64: 2}
+
+
+def shm_allreduce(segment: torch.Tensor, rank: int, world: int, slot_bytes: int, first_seq: int,
+                  x: torch.Tensor) -> int:
+    """Sum x (contiguous, in place) over the ranks sharing `segment` (shm_allreduce.cpp); returns the rounds used."""
+    if x.dtype not in _SHM_CODES or not x.is_contiguous():
+        raise ValueError(f"shm all-reduce takes contiguous float32/bfloat16/float64 tensors, got {x.dtype}")
+    return _function("shm_allreduce.cpp")(segment.data_ptr(), rank, world, slot_bytes, first_seq, x.data_ptr(),
+                                          _SHM_CODES[x.dtype], x.numel())

@@ -1,0 +1,61 @@
+"""The tensor-parallel all-reduce of ranks on one machine, through shared memory instead of gloo.
+
+Profiled on the 2-core VMs here: a gloo all-reduce of one decode step's hidden states ([8, 896] bf16) takes
+~2 ms between two processes on loopback, and a tp=2 decode step of the 0.5B shape makes 49 of them (~100 ms of a
+~200 ms step). Through a shared segment (mini_infer/kernels/shm_allreduce.cpp) it is a copy, a flag and a sum.
+The group's first rank creates the segment under /dev/shm, every rank maps it, and the file is unlinked as soon
+as all have: nothing is left behind however the processes end.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mini_infer.kernels import cpu
+
+SLOT_BYTES = 4 << 20  # per rank and buffer; larger tensors go through in chunks
+_LINE = 64
+SHM_DIR = Path("/dev/shm")
+
+
+class ShmAllReduce:
+    def __init__(self, group, rank: int, world: int, leader: int) -> None:
+        """rank: this process's index in the group; leader: the group's first global rank (creates the file)."""
+        self.rank, self.world = rank, world
+        nbytes = world * _LINE + 2 * world * SLOT_BYTES
+        box = [None]
+        if rank == 0:
+            path = SHM_DIR / f"mini-infer-tp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            with open(path, "wb") as f:
+                f.truncate(nbytes)
+            box = [str(path)]
+        dist.broadcast_object_list(box, src=leader, group=group)
+        self.segment = torch.from_file(box[0], shared=True, size=nbytes, dtype=torch.uint8)
+        dist.barrier(group=group)
+        if rank == 0:
+            os.unlink(box[0])
+        self.seq = 1  # flags start at 0 in the fresh file
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.seq += cpu.shm_allreduce(self.segment, self.rank, self.world, SLOT_BYTES, self.seq, x)
+        return x
+
+
+def shm_unavailable_reason(group, device: torch.device) -> str | None:
+    """Why the group's ranks cannot share memory (None when they can): they must all run on this machine's CPU,
+    with the native kernels built and /dev/shm present. Called by every rank of the group."""
+    names = [None] * dist.get_world_size(group)
+    dist.all_gather_object(names, os.uname().nodename, group=group)
+    if device.type != "cpu":
+        return f"ranks run on {device.type}"
+    if len(set(names)) > 1:
+        return f"ranks on {len(set(names))} machines"
+    if not SHM_DIR.is_dir():
+        return f"no {SHM_DIR}"
+    reason = cpu.unavailable_reason()
+    return f"native kernels unavailable: {reason}" if reason else None
