@@ -425,3 +425,32 @@ def test_shared_memory_all_reduce_sums_in_rank_order_on_every_rank():
         assert torch.equal(got, expected), dtype_name
         assert all(outs[r][(dtype_name, numel)] == outs[0][(dtype_name, numel)] for r in range(1, world))
     assert not any(SHM_DIR.glob("mini-infer-tp-*"))
+
+
+ORPHAN_SCRIPT = """
+import os, sys, time
+from mini_infer import LLM
+llm = LLM(sys.argv[1], dtype="float32", data_parallel_size=2, tensor_parallel_size=2)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_processes_exit_when_the_engine_process_is_killed(tiny_model_dir):
+    """SIGKILL to the engine's process (no cleanup runs there): its replicas see their pipe close, their worker
+    ranks their gloo connections; every one exits by itself."""
+    process = subprocess.Popen([sys.executable, "-c", ORPHAN_SCRIPT, str(tiny_model_dir)], stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        assert process.stdout.readline().strip() == "ready"
+        members = [pid for pid in _group_members(process.pid) if pid != process.pid]
+        assert len(members) >= 4  # 2 replicas and their rank 1s (+ the resource tracker)
+        process.kill()
+        process.wait(10)
+        deadline = time.monotonic() + 30
+        while _group_members(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _group_members(process.pid) == []
+    finally:
+        if _group_members(process.pid):
+            os.killpg(process.pid, signal.SIGKILL)

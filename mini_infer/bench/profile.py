@@ -43,6 +43,9 @@ def run_profile(args: argparse.Namespace) -> int:
 
     if args.trace and args.out is None:
         raise ValueError("--trace needs --out (the directory the trace is written to)")
+    if args.data_parallel_size != 1:
+        raise ValueError("--data-parallel-size: profile breaks down the decode step of one replica (on rank 0 "
+                         "with tensor/pipeline parallelism); run it with --data-parallel-size 1")
     engine = LLMEngine.from_args(resolve_model(args.model), **engine_kwargs(args))
     out_dir = Path(args.out) if args.out is not None else None
     if out_dir is not None:
