@@ -18,8 +18,7 @@ import pytest
 
 from conftest import PARITY_CONFIGS, build_hf_model, hf_greedy, save_hf_model
 from mini_infer import LLM, SamplingParams
-from mini_infer.bench.parallel import parse_layout, parallel_table, run_parallel
-from mini_infer.bench.options import BenchOptions
+from mini_infer.bench.parallel import parse_layout
 from mini_infer.config import EngineConfig
 from mini_infer.distributed.data_parallel import DataParallelEngine
 from mini_infer.distributed.shard import make_shard
@@ -157,10 +156,13 @@ def test_tensor_and_pipeline_ranks_hold_half_the_parameters(untied_reference):
 
 
 def _kill_during_generate(llm: LLM, victim: int) -> float:
-    """Kill `victim` one second into a long generate; seconds from the kill to WorkerDiedError."""
+    """Kill `victim` one second into a long generate; seconds from the kill to WorkerDiedError. The victim is
+    stopped (SIGSTOP) half a second before it is killed, so the others are surely waiting for it mid-step."""
     killed_at = []
 
     def kill() -> None:
+        os.kill(victim, signal.SIGSTOP)
+        time.sleep(0.5)
         os.kill(victim, signal.SIGKILL)
         killed_at.append(time.monotonic())
 
@@ -429,22 +431,31 @@ def test_shared_memory_all_reduce_sums_in_rank_order_on_every_rank():
 
 ORPHAN_SCRIPT = """
 import os, sys, time
-from mini_infer import LLM
-llm = LLM(sys.argv[1], dtype="float32", data_parallel_size=2, tensor_parallel_size=2)
+from mini_infer import LLM, SamplingParams
+llm = LLM(sys.argv[1], dtype="float32", **eval(sys.argv[2]))
 print("ready", flush=True)
+if sys.argv[3] == "busy":
+    llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=4000, ignore_eos=True), use_tqdm=False)
 time.sleep(600)
 """
 
 
-def test_processes_exit_when_the_engine_process_is_killed(tiny_model_dir):
-    """SIGKILL to the engine's process (no cleanup runs there): its replicas see their pipe close, their worker
-    ranks their gloo connections; every one exits by itself."""
-    process = subprocess.Popen([sys.executable, "-c", ORPHAN_SCRIPT, str(tiny_model_dir)], stdout=subprocess.PIPE,
-                               stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+@pytest.mark.parametrize("sizes, state", [
+    (dict(data_parallel_size=2, tensor_parallel_size=2), "idle"),  # replicas wait on their pipe, workers in gloo
+    (dict(tensor_parallel_size=2), "busy"),  # rank 1 waits in the shared-memory all-reduce for rank 0
+])
+def test_processes_exit_when_the_engine_process_is_killed(tiny_model_dir, sizes, state):
+    """SIGKILL to the engine's process (no cleanup runs there), idle or mid-step (stopped first, so that its
+    peers are surely waiting for it): every other process exits by itself."""
+    process = subprocess.Popen([sys.executable, "-c", ORPHAN_SCRIPT, str(tiny_model_dir), repr(sizes), state],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
         assert process.stdout.readline().strip() == "ready"
         members = [pid for pid in _group_members(process.pid) if pid != process.pid]
-        assert len(members) >= 4  # 2 replicas and their rank 1s (+ the resource tracker)
+        assert len(members) >= (4 if "data_parallel_size" in sizes else 1)  # (+ the resource tracker)
+        time.sleep(1.0)
+        os.kill(process.pid, signal.SIGSTOP)
+        time.sleep(0.5)
         process.kill()
         process.wait(10)
         deadline = time.monotonic() + 30
@@ -454,3 +465,45 @@ def test_processes_exit_when_the_engine_process_is_killed(tiny_model_dir):
     finally:
         if _group_members(process.pid):
             os.killpg(process.pid, signal.SIGKILL)
+
+
+def _shm_peer_exits(rank: int, port: int, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from mini_infer.distributed.shm import ShmAllReduce
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    reduce = ShmAllReduce(dist.group.WORLD, rank, 2, leader=0)
+    reduce(torch.ones(4))
+    if rank == 1:
+        os._exit(0)  # gone without a word, as a killed process is
+    start = time.monotonic()
+    try:
+        reduce(torch.ones(4))  # waits for a rank that will never publish
+        results.put("returned")
+    except RuntimeError as e:
+        results.put(f"{time.monotonic() - start:.1f} s: {e}")
+
+
+def test_shared_memory_all_reduce_raises_when_a_peer_process_is_gone():
+    """Without the watchdog this all-reduce would spin forever; with it, it raises within a second or so."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    processes = [context.Process(target=_shm_peer_exits, args=(r, port, results)) for r in range(2)]
+    for p in processes:
+        p.start()
+    try:
+        outcome = results.get(timeout=60)
+    finally:
+        for p in processes:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    seconds, message = outcome.split(" s: ")
+    assert float(seconds) < 5 and "tensor-parallel peer" in message and f"pid {processes[1].pid}" in message

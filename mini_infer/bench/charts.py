@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mini_infer.bench.parallel import peak_bytes, rank_label
 from mini_infer.bench.roofline import Ceilings, DecodeCost, roofline
 
 
@@ -56,17 +57,26 @@ def workload_chart(report: dict, path: Path) -> None:
     names = list(ran)
     rate_ax.bar(names, [ran[n]["output_tok_s"]["median"] for n in names], color="tab:blue")
     rate_ax.set_ylabel("output tokens / s")
-    positions = range(len(names))
-    latency_ax.bar([p - 0.2 for p in positions], [ran[n]["latency_p50_s"]["median"] for n in names], 0.4,
-                   label="p50")
-    latency_ax.bar([p + 0.2 for p in positions], [ran[n]["latency_p99_s"]["median"] for n in names], 0.4,
-                   label="p99")
-    latency_ax.set_xticks(list(positions), names)
-    latency_ax.set_ylabel("request latency (s)")
-    latency_ax.legend()
+    _paired_bars(latency_ax, names, ("p50", [ran[n]["latency_p50_s"]["median"] for n in names]),
+                 ("p99", [ran[n]["latency_p99_s"]["median"] for n in names]), "request latency (s)")
     config = report["config"]
-    fig.suptitle(f"random workload: {config['num_requests']} requests, {Path(config['model']).name}, "
-                 f"{config['dtype']}", fontsize=10)
+    _save(plt, fig, path, f"random workload: {config['num_requests']} requests, {Path(config['model']).name}, "
+                          f"{config['dtype']}")
+
+
+def _paired_bars(ax, labels: list[str], left: tuple[str, list], right: tuple[str, list], ylabel: str,
+                 fontsize: int | None = None) -> None:
+    """Two bars per label, side by side, with a legend."""
+    positions = range(len(labels))
+    ax.bar([p - 0.2 for p in positions], left[1], 0.4, label=left[0])
+    ax.bar([p + 0.2 for p in positions], right[1], 0.4, label=right[0])
+    ax.set_xticks(list(positions), labels, fontsize=fontsize)
+    ax.set_ylabel(ylabel)
+    ax.legend()
+
+
+def _save(plt, fig, path: Path, title: str) -> None:
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -83,22 +93,10 @@ def parallel_chart(report: dict, path: Path) -> None:
               [lay["tok_s"]["max"] - m for m, lay in zip(medians, layouts)]]
     rate_ax.bar(names, medians, yerr=spread, capsize=3, color="tab:blue")
     rate_ax.set_ylabel("output tokens / s")
-    labels, params, peaks = [], [], []
-    for lay in layouts:
-        for rank in lay["ranks"]:
-            where = f"dp{rank['replica']}.r{rank['rank']}" if "replica" in rank else f"r{rank['rank']}"
-            labels.append(f"{lay['name']}\n{where}")
-            params.append(rank["param_bytes"] / 1e6)
-            peaks.append(rank.get("cuda_max_allocated_bytes", rank["peak_rss_bytes"]) / 1e6)
-    positions = range(len(labels))
-    memory_ax.bar([p - 0.2 for p in positions], params, 0.4, label="parameters")
-    memory_ax.bar([p + 0.2 for p in positions], peaks, 0.4, label="peak memory")
-    memory_ax.set_xticks(list(positions), labels, fontsize=7)
-    memory_ax.set_ylabel("MB per rank")
-    memory_ax.legend()
+    ranks = [(lay["name"], rank) for lay in layouts for rank in lay["ranks"]]
+    _paired_bars(memory_ax, [f"{name}\n{rank_label(rank)}" for name, rank in ranks],
+                 ("parameters", [rank["param_bytes"] / 1e6 for _, rank in ranks]),
+                 ("peak memory", [peak_bytes(rank) / 1e6 for _, rank in ranks]), "MB per rank", fontsize=7)
     config = report["config"]
-    fig.suptitle(f"parallel layouts: batch {config['batch_size']}, {config['max_new_tokens']} new tokens, "
-                 f"{Path(config['model']).name}, {config['dtype']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path, f"parallel layouts: batch {config['batch_size']}, {config['max_new_tokens']} new "
+                          f"tokens, {Path(config['model']).name}, {config['dtype']}")

@@ -117,6 +117,16 @@ def _call(conn, function, args) -> None:
         conn.send((False, f"{type(e).__name__}: {e}"))
 
 
+def rank_label(rank: dict) -> str:
+    """r<rank>, or dp<replica>.r<rank> for a rank of a data-parallel replica."""
+    return f"dp{rank['replica']}.r{rank['rank']}" if "replica" in rank else f"r{rank['rank']}"
+
+
+def peak_bytes(rank: dict) -> int:
+    """CUDA's max allocated on a GPU, else the peak resident set."""
+    return rank.get("cuda_max_allocated_bytes", rank["peak_rss_bytes"])
+
+
 def parallel_table(report: dict) -> str:
     config = report["config"]
     lines = [f"{config['model']} ({config['dtype']}), batch {config['batch_size']}, {config['prompt_len']} prompt + "
@@ -127,14 +137,12 @@ def parallel_table(report: dict) -> str:
         tok_s, vs = lay["tok_s"], lay["vs_single"]
         for i, rank in enumerate(lay["ranks"]):
             first = i == 0
-            where = f"dp{rank['replica']}.r{rank['rank']}" if "replica" in rank else f"r{rank['rank']}"
-            peak = rank.get("cuda_max_allocated_bytes", rank["peak_rss_bytes"])
             rows.append([lay["name"] if first else "", lay["num_ranks"] if first else "",
                          f"{tok_s['median']:.1f}" if first else "",
                          f"{tok_s['min']:.1f}-{tok_s['max']:.1f}" if first else "",
                          (f"{vs:.2f}x" if vs is not None else "-") if first else "",
-                         where, f"{rank['param_bytes'] / 1e6:.0f}", f"{rank['kv_bytes'] / 1e6:.1f}",
-                         f"{peak / 1e6:.0f}"])
+                         rank_label(rank), f"{rank['param_bytes'] / 1e6:.0f}", f"{rank['kv_bytes'] / 1e6:.1f}",
+                         f"{peak_bytes(rank) / 1e6:.0f}"])
     peak_name = "peak alloc MB" if any("cuda_max_allocated_bytes" in r for lay in report["layouts"]
                                        for r in lay["ranks"]) else "peak RSS MB"
     lines.append(format_table(["layout", "ranks", "tok/s", "min-max", "vs single", "rank", "params MB", "KV MB",

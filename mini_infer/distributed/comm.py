@@ -36,10 +36,6 @@ class Comm:
     def local(cls, config: EngineConfig) -> Comm:
         return cls(make_shard(config.model_config))
 
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
     # ---- tensor parallel (called by the model) ----
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

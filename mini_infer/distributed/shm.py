@@ -4,12 +4,16 @@ Profiled on the 2-core VMs here: a gloo all-reduce of one decode step's hidden s
 ~2 ms between two processes on loopback, and a tp=2 decode step of the 0.5B shape makes 49 of them (~100 ms of a
 ~200 ms step). Through a shared segment (mini_infer/kernels/shm_allreduce.cpp) it is a copy, a flag and a sum.
 The group's first rank creates the segment under /dev/shm, every rank maps it, and the file is unlinked as soon
-as all have: nothing is left behind however the processes end.
+as all have: nothing is left behind however the processes end. A rank waiting for the others spins; a watchdog
+thread in every rank checks the others' processes every 0.1 s and, once one has exited, aborts the segment, so
+the waiting ranks raise instead of spinning forever (a worker killed mid-step, or rank 0 killed under its
+workers).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from pathlib import Path
 
@@ -27,7 +31,7 @@ class ShmAllReduce:
     def __init__(self, group, rank: int, world: int, leader: int) -> None:
         """rank: this process's index in the group; leader: the group's first global rank (creates the file)."""
         self.rank, self.world = rank, world
-        nbytes = world * _LINE + 2 * world * SLOT_BYTES
+        nbytes = (world + 1) * _LINE + 2 * world * SLOT_BYTES
         box = [None]
         if rank == 0:
             path = SHM_DIR / f"mini-infer-tp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -40,10 +44,42 @@ class ShmAllReduce:
         if rank == 0:
             os.unlink(box[0])
         self.seq = 1  # flags start at 0 in the fresh file
+        pids = [None] * world
+        dist.all_gather_object(pids, os.getpid(), group=group)
+        self._abort = self.segment[world * _LINE: world * _LINE + 8].view(torch.int64)
+        self._stop = threading.Event()
+        self.gone: int | None = None  # the pid whose exit aborted the segment
+        self._watchdog = threading.Thread(target=self._watch, args=([p for p in pids if p != os.getpid()],),
+                                          name="mini-infer-shm-watchdog", daemon=True)
+        self._watchdog.start()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        self.seq += cpu.shm_allreduce(self.segment, self.rank, self.world, SLOT_BYTES, self.seq, x)
+        rounds = cpu.shm_allreduce(self.segment, self.rank, self.world, SLOT_BYTES, self.seq, x)
+        if rounds < 0:
+            raise RuntimeError(f"shared-memory all-reduce aborted: the process of a tensor-parallel peer "
+                               f"(pid {self.gone}) has exited")
+        self.seq += rounds
         return x
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _watch(self, peers: list[int]) -> None:
+        while not self._stop.wait(0.1):
+            for pid in peers:
+                if not _alive(pid):
+                    self.gone = pid
+                    self._abort.fill_(1)
+                    return
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie (an exited child its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
 
 
 def shm_unavailable_reason(group, device: torch.device) -> str | None:

@@ -96,6 +96,7 @@ class Ranks:
         self._processes: dict[int, mp.Process] = {}
         self._saved = (os.sched_getaffinity(0), torch.get_num_threads())
         self._stopped = False
+        self.comm: Comm | None = None
         launch = env_launch(config)
         if launch is not None and launch.rank != 0:
             raise ValueError(f"RANK={launch.rank}: the engine runs on rank 0; start the other ranks with "
@@ -164,37 +165,42 @@ class Ranks:
 
     def wait_ready(self) -> None:
         """Every rank has loaded its shard."""
-        self._guard(dist.barrier, group=self.comm.control)
+        self.guard(dist.barrier, group=self.comm.control)
 
     def broadcast_step(self, step) -> None:
-        self._guard(dist.broadcast_object_list, [("step", step)], src=0, group=self.comm.control)
-
-    def guard(self, function, *args, **kwargs):
-        return self._guard(function, *args, **kwargs)
+        self.guard(dist.broadcast_object_list, [("step", step)], src=0, group=self.comm.control)
 
     def gather_stats(self, own: dict) -> list[dict]:
-        self._guard(dist.broadcast_object_list, [("stats", None)], src=0, group=self.comm.control)
+        self.guard(dist.broadcast_object_list, [("stats", None)], src=0, group=self.comm.control)
         stats = [None] * self.launch.world_size
-        self._guard(dist.gather_object, own, stats, dst=0, group=self.comm.control)
+        self.guard(dist.gather_object, own, stats, dst=0, group=self.comm.control)
         return stats
 
-    def _guard(self, function, *args, **kwargs):
+    def guard(self, function, *args, **kwargs):
+        """function(*args, **kwargs). If it fails, every worker is stopped; a failure that a dead worker caused
+        becomes WorkerDiedError naming it, any other error propagates as it is."""
         try:
             return function(*args, **kwargs)
-        except RuntimeError as e:
-            raise self._failure(e) from e
+        except BaseException as e:
+            failure = self._failure(e)
+            if failure is e:
+                raise
+            raise failure from e
 
-    def _failure(self, error: RuntimeError) -> BaseException:
-        """Name the dead worker when one of ours died (it may take a moment to be reaped)."""
+    def _failure(self, error: BaseException) -> BaseException:
+        """Stop the workers; name the dead one when one of ours died (it may take a moment to be reaped)."""
         by_sentinel = {p.sentinel: p for p in self._processes.values()}
         # A sentinel fires as the process closes its files, a moment before it can be reaped: join those.
         for sentinel in wait(list(by_sentinel), timeout=5.0) if by_sentinel else ():
             by_sentinel[sentinel].join(5.0)
         dead = self.dead_workers()
         self.shutdown(graceful=False)
-        if dead is None:
-            return WorkerDiedError(f"a collective with the other ranks failed ({error}); the engine has stopped")
-        return WorkerDiedError(f"{dead}; the engine has stopped and shut its other workers down")
+        if dead is not None:
+            return WorkerDiedError(f"{dead}; the engine has stopped and shut its other workers down")
+        if not self._processes and isinstance(error, RuntimeError):  # torchrun-style: not ours to watch
+            return WorkerDiedError(f"a step failed on rank 0, the engine has stopped (if the error names a "
+                                   f"connection, another rank went away): {error}")
+        return error
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop every worker (asking first when `graceful`), leave the world, restore rank 0's threads and cores.
@@ -202,7 +208,7 @@ class Ranks:
         if self._stopped:
             return
         self._stopped = True
-        if graceful and dist.is_initialized() and self.dead_workers() is None:
+        if graceful and self.comm is not None and self.dead_workers() is None:
             try:
                 dist.broadcast_object_list([("stop", None)], src=0, group=self.comm.control)
             except RuntimeError:
@@ -212,6 +218,8 @@ class Ranks:
             if process.is_alive():
                 process.kill()
                 process.join(STOP_GRACE_S)
+        if self.comm is not None and self.comm.shm_all_reduce is not None:
+            self.comm.shm_all_reduce.close()
         if dist.is_initialized():
             dist.destroy_process_group()
         cpus, threads = self._saved

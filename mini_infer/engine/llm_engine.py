@@ -125,8 +125,8 @@ class LLMEngine:
         try:
             self.ranks.broadcast_step(inputs)
             return self.ranks.guard(self.runner.forward, inputs)
-        except WorkerDiedError as e:
-            self._failure = e
+        except BaseException as e:  # the workers are stopped: this engine cannot step again
+            self._failure = e if isinstance(e, WorkerDiedError) else WorkerDiedError(f"a step failed: {e!r}")
             raise
 
     def _process(self, scheduled, sampled) -> list[RequestOutput]:

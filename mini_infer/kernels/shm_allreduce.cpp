@@ -1,7 +1,8 @@
 // All-reduce (sum) among the tensor-parallel ranks of one machine through a shared-memory segment.
 //
-// Layout: `world` flags, one per cache line, then two buffers (alternating by round) of `world` slots of
-// `slot_bytes` each. Round `seq` (counted alike on every rank): each rank copies its chunk into its slot, fences,
+// Layout: `world` flags, one per cache line, an abort word on the next line, then two buffers (alternating by
+// round) of `world` slots of `slot_bytes` each. A watchdog sets the abort word when a rank's process has exited:
+// the waiting ranks then return -1 instead of spinning forever. Round `seq` (counted alike on every rank): each rank copies its chunk into its slot, fences,
 // publishes seq in its flag, waits until every flag has reached seq, then sums the slots in rank order (so every
 // rank gets bit-identical results) into its tensor, accumulating float32/bfloat16 in float32 and float64 in
 // float64. A rank can reuse a buffer two rounds later only after every other rank has published the round in
@@ -24,15 +25,17 @@ struct Segment {
     long slot_bytes;
 
     std::atomic<int64_t>* flag(int r) const { return reinterpret_cast<std::atomic<int64_t>*>(base + r * kLine); }
+    std::atomic<int64_t>* abort() const { return flag(world); }
     char* slot(int64_t seq, int r) const {
-        return base + world * kLine + ((seq & 1) * world + r) * slot_bytes;
+        return base + (world + 1) * kLine + ((seq & 1) * world + r) * slot_bytes;
     }
 };
 
-void wait_all(const Segment& s, int64_t seq) {
+bool wait_all(const Segment& s, int64_t seq) {  // false when aborted
     for (int r = 0; r < s.world; ++r) {
         long spins = 0;
         while (s.flag(r)->load(std::memory_order_acquire) < seq) {
+            if (s.abort()->load(std::memory_order_relaxed)) return false;
             _mm_pause();
             if (++spins > 2000) {  // more ranks than free cores: let the others run
                 sched_yield();
@@ -40,6 +43,7 @@ void wait_all(const Segment& s, int64_t seq) {
             }
         }
     }
+    return true;
 }
 
 template <typename T, typename Acc, typename Load, typename Store>
@@ -55,7 +59,8 @@ void sum_slots(const Segment& s, int64_t seq, T* out, long n, Load load, Store s
 
 }  // namespace
 
-// dtype: 0 float32, 1 bfloat16, 2 float64. Returns the number of rounds used (one per slot-sized chunk).
+// dtype: 0 float32, 1 bfloat16, 2 float64. Returns the number of rounds used (one per slot-sized chunk), or -1
+// if the segment was aborted while waiting.
 extern "C" long shm_allreduce(void* segment, int rank, int world, long slot_bytes, int64_t first_seq, void* data,
                               int dtype, long numel) {
     Segment s{static_cast<char*>(segment), rank, world, slot_bytes};
@@ -69,7 +74,7 @@ extern "C" long shm_allreduce(void* segment, int rank, int world, long slot_byte
         memcpy(s.slot(seq, rank), chunk, n * item);
         std::atomic_thread_fence(std::memory_order_seq_cst);
         s.flag(rank)->store(seq, std::memory_order_release);
-        wait_all(s, seq);
+        if (!wait_all(s, seq)) return -1;
         if (dtype == 0) {
             sum_slots<float, float>(s, seq, reinterpret_cast<float*>(chunk), n, [](float v) { return v; },
                                     [](float v) { return v; });

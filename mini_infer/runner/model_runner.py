@@ -116,8 +116,8 @@ class ModelRunner:
         resident set on the CPU)."""
         params = sum(t.numel() * t.element_size() for t in _unique_tensors(self.model))
         kv = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv_caches)
-        stats = {"rank": self.comm.rank, "tp_all_reduce": self.comm.tp_all_reduce, "param_bytes": params, "kv_bytes": kv,
-                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        stats = {"rank": self.comm.rank, "tp_all_reduce": self.comm.tp_all_reduce, "param_bytes": params,
+                 "kv_bytes": kv, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
         if self.device.type == "cuda":
             stats["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
         return stats
