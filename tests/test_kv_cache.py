@@ -221,7 +221,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         all_owned = [b for ids in owned.values() for b in ids]
         assert len(all_owned) == len(set(all_owned)), "a block is owned by two requests"
         assert all(0 <= b < kv.num_blocks for b in all_owned)
-        free = list(kv._free_blocks)
+        free = kv.free_blocks()
         assert len(free) == len(set(free)), "a block is free twice"
         assert set(free).isdisjoint(all_owned), "a block is both free and owned"
         assert len(free) + len(all_owned) == kv.num_blocks
@@ -240,7 +240,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.kv.free(rid)
         assert self.kv.num_free_blocks == self.kv.num_blocks
         assert self.kv.usage() == 0.0
-        assert sorted(self.kv._free_blocks) == list(range(self.kv.num_blocks))
+        assert sorted(self.kv.free_blocks()) == list(range(self.kv.num_blocks))
 
 
 KVCacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

@@ -152,5 +152,10 @@ def test_bad_engine_settings_name_the_field(checkpoint):
         EngineConfig(model=str(checkpoint), max_model_len=4096)
     with pytest.raises(ValueError, match="block_size must be an integer >= 1"):
         EngineConfig(model=str(checkpoint), block_size=0)
-    with pytest.raises(ValueError, match="max_num_batched_tokens .* must be >= max_model_len"):
-        EngineConfig(model=str(checkpoint), max_model_len=512, max_num_batched_tokens=100)
+    with pytest.raises(ValueError, match="max_num_batched_tokens .* must be >= max_model_len .* without chunked"):
+        EngineConfig(model=str(checkpoint), max_model_len=512, max_num_batched_tokens=100,
+                     enable_chunked_prefill=False)
+    assert EngineConfig(model=str(checkpoint), max_model_len=512, max_num_batched_tokens=100).max_num_batched_tokens \
+        == 100  # chunked prefill (the default) spreads a longer prompt over several steps
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be an integer >= 1"):
+        EngineConfig(model=str(checkpoint), max_num_batched_tokens=0)

@@ -47,7 +47,7 @@ class _Replica:
     reported_load: int = 0  # outstanding tokens at the replica's last report
     reported_seq: int = -1  # the last add that report included
     unreported: list[tuple[int, int]] = field(default_factory=list)  # (seq, work) of adds sent since
-    state: tuple[int, int, float, int] = (0, 0, 0.0, 0)  # its scheduler_state()
+    state: tuple = (0, 0, 0.0, 0, 0, 0)  # its scheduler_state()
 
     @property
     def load(self) -> int:
@@ -131,10 +131,10 @@ class DataParallelEngine:
         """Mean over the replicas (each has a cache of the same size)."""
         return sum(r.state[2] for r in self.replicas) / len(self.replicas)
 
-    def scheduler_state(self) -> tuple[int, int, float, int]:
-        running = sum(r.state[0] for r in self.replicas)
-        waiting = sum(r.state[1] for r in self.replicas)
-        return running, waiting, self.kv_cache_usage(), sum(r.state[3] for r in self.replicas)
+    def scheduler_state(self) -> tuple[int, int, float, int, int, int]:
+        """LLMEngine.scheduler_state summed over the replicas (KV usage: their mean)."""
+        totals = [sum(r.state[i] for r in self.replicas) for i in range(6)]
+        return totals[0], totals[1], self.kv_cache_usage(), totals[3], totals[4], totals[5]
 
     def loads(self) -> list[int]:
         """Each replica's outstanding work as the router sees it (tokens to prefill + tokens to generate)."""

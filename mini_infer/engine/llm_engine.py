@@ -42,9 +42,11 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(model_dir)
         num_blocks = config.resolved_num_kv_blocks()
         self.processor = InputProcessor(config, self.tokenizer, num_blocks)
-        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.max_num_seqs, config.max_blocks_per_seq)
+        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.max_num_seqs, config.max_blocks_per_seq,
+                                       enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens)
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   enable_chunked_prefill=config.enable_chunked_prefill)
         self.ranks = Ranks(config) if config.world_size > 1 else None
         try:
             comm = self.ranks.comm if self.ranks else Comm.local(config)
@@ -114,7 +116,8 @@ class LLMEngine:
         with record_function("forward"):
             logits = self._forward(inputs)
         with record_function("sampling"):
-            sampled = self.sampler(logits, scheduled.requests)
+            sampling = [r for r, samples in zip(scheduled.requests, scheduled.samples) if samples]
+            sampled = self.sampler(logits, sampling) if sampling else None
         with record_function("scheduler"):
             outputs.extend(self._process(scheduled, sampled))
         return outputs
@@ -130,11 +133,16 @@ class LLMEngine:
             raise
 
     def _process(self, scheduled, sampled) -> list[RequestOutput]:
-        """Append the sampled tokens, retire finished requests and build the step's outputs."""
+        """Count the computed tokens (registering blocks they filled), append the sampled tokens, retire
+        finished requests and build the step's outputs (a prompt chunk that samples nothing has none)."""
         outputs = []
-        for request, num_new, token_id, logprobs in zip(scheduled.requests, scheduled.num_new_tokens,
-                                                         sampled.token_ids, sampled.logprobs):
+        rows = iter(zip(sampled.token_ids, sampled.logprobs)) if sampled is not None else iter(())
+        for request, num_new, samples in zip(scheduled.requests, scheduled.num_new_tokens, scheduled.samples):
             request.num_computed_tokens += num_new
+            self.kv_cache.cache_blocks(request.request_id, request.token_ids_slice, request.num_computed_tokens)
+            if not samples:
+                continue
+            token_id, logprobs = next(rows)
             self._append_token(request, token_id, logprobs)
             if request.finished:
                 self.scheduler.finish(request, request.status)
@@ -191,10 +199,11 @@ class LLMEngine:
     def kv_cache_usage(self) -> float:
         return self.kv_cache.usage()
 
-    def scheduler_state(self) -> tuple[int, int, float, int]:
-        """(running, waiting, KV cache usage, preemptions so far): what a server's metrics report."""
+    def scheduler_state(self) -> tuple[int, int, float, int, int, int]:
+        """(running, waiting, KV cache usage, preemptions so far, prefix-cache queries and hits so far, in
+        tokens): what a server's metrics report."""
         return (len(self.scheduler.running), len(self.scheduler.waiting), self.kv_cache.usage(),
-                self.scheduler.num_preemptions)
+                self.scheduler.num_preemptions, self.kv_cache.prefix_queries, self.kv_cache.prefix_hits)
 
     def check_health(self) -> None:
         """Raise WorkerDiedError if the engine has failed or one of its worker ranks has exited."""

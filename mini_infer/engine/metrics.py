@@ -32,6 +32,7 @@ class EngineMetrics:
         self.model_name = model_name
         self._timings: dict[str, _Timing] = {}
         self._preemptions_seen = 0
+        self._prefix_seen = (0, 0)
 
         def one(metric):  # a metric with this server's label values bound
             return metric.labels(model_name=model_name)
@@ -43,6 +44,10 @@ class EngineMetrics:
         self.prompt_tokens = one(Counter("mini_infer:prompt_tokens", "Prompt tokens prefilled.", labels, **kw))
         self.generation_tokens = one(Counter("mini_infer:generation_tokens", "Tokens generated.", labels, **kw))
         self.preemptions = one(Counter("mini_infer:num_preemptions", "Requests preempted (to be recomputed).",
+                                       labels, **kw))
+        self.prefix_queries = one(Counter("mini_infer:prefix_cache_queries",
+                                          "Prompt tokens looked up in the prefix cache.", labels, **kw))
+        self.prefix_hits = one(Counter("mini_infer:prefix_cache_hits", "Prompt tokens served by the prefix cache.",
                                        labels, **kw))
         success = Counter("mini_infer:request_success", "Requests finished, by finish reason.",
                           labels + ["finished_reason"], **kw)
@@ -82,11 +87,16 @@ class EngineMetrics:
                 self.e2e.observe(now - timing.arrival)
                 self.success[completion.finish_reason].inc()
 
-    def on_state(self, num_running: int, num_waiting: int, kv_cache_usage: float, num_preemptions: int) -> None:
-        """The scheduler's state after a step; num_preemptions is its running total."""
+    def on_state(self, num_running: int, num_waiting: int, kv_cache_usage: float, num_preemptions: int,
+                 prefix_queries: int, prefix_hits: int) -> None:
+        """The scheduler's state after a step; preemptions and prefix-cache tokens are running totals."""
         self.running.set(num_running)
         self.waiting.set(num_waiting)
         self.kv_cache_usage.set(kv_cache_usage)
         if num_preemptions > self._preemptions_seen:
             self.preemptions.inc(num_preemptions - self._preemptions_seen)
             self._preemptions_seen = num_preemptions
+        queries_seen, hits_seen = self._prefix_seen
+        self.prefix_queries.inc(prefix_queries - queries_seen)
+        self.prefix_hits.inc(prefix_hits - hits_seen)
+        self._prefix_seen = (prefix_queries, prefix_hits)

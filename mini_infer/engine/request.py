@@ -65,6 +65,15 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without building all_token_ids (O(end - start), not O(num_tokens))."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt: end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
     @property
     def last_token_id(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]

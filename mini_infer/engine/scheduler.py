@@ -1,8 +1,19 @@
 """Scheduler: waiting and running queues, admission, preemption; decides what each step computes.
 
-A step is a prefill step (newly admitted prompts packed together) when anything can be admitted, else a
-decode step (one token for every running request). When a decode step runs out of blocks, the most
-recently admitted running request is preempted: its blocks are freed and it is recomputed later.
+Every running request has num_tokens - num_computed_tokens tokens to compute: 1 in decode (the token sampled
+last), more while its prompt (or a preempted request's recompute) is being prefilled. A newly admitted request
+first takes over the KV blocks of its longest cached prompt prefix (KVCacheManager.match_prefix), so it starts
+with those tokens computed.
+
+Without chunked prefill, a step is a prefill step (newly admitted prompts, each whole, packed together) when
+anything can be admitted, else a decode step (one token for every running request). With chunked prefill, a step
+has a token budget (max_num_batched_tokens): decode tokens of running requests first, then chunks of prompts
+still being prefilled, then chunks of newly admitted prompts, until the budget is spent; a long prompt spreads
+over several steps, and the running streams keep decoding meanwhile. A request samples in the step that computes
+its last token.
+
+When a decode token finds no free block, the most recently admitted running request is preempted: its blocks are
+freed and it is recomputed later (from its cached prefix, if its blocks are still cached by then).
 """
 
 from __future__ import annotations
@@ -16,21 +27,29 @@ from mini_infer.engine.request import Request, RequestStatus
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    is_prefill: bool
-    requests: list[Request] = field(default_factory=list)
+    is_prefill: bool  # a prompt (or part of one) is computed in this step
+    requests: list[Request] = field(default_factory=list)  # decoding requests first
     num_new_tokens: list[int] = field(default_factory=list)  # per scheduled request
+    samples: list[bool] = field(default_factory=list)  # per scheduled request: it samples a token this step
     preempted: list[Request] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    def add(self, request: Request, num_new: int) -> None:
+        self.requests.append(request)
+        self.num_new_tokens.append(num_new)
+        self.samples.append(request.num_computed_tokens + num_new == request.num_tokens)
+
 
 class Scheduler:
-    def __init__(self, kv_cache: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv_cache: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool = False) -> None:
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
@@ -42,48 +61,104 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        if self.enable_chunked_prefill:
+            return self._schedule_chunked()
         if self.waiting:
             output = self._schedule_prefill()
             if output.requests:
                 return output
         return self._schedule_decode()
 
+    # ---- admission ----
+
+    def _admit(self, request: Request, budget: int, *, whole: bool, reserve: int) -> int:
+        """Admit the first waiting request with its cached prefix and up to `budget` more tokens (all of them
+        when `whole`); the tokens scheduled, 0 when it cannot be admitted now."""
+        tokens = request.token_ids_slice(0, request.num_tokens)
+        hits = self.kv_cache.match_prefix(tokens)
+        cached = len(hits) * self.kv_cache.block_size
+        remaining = request.num_tokens - cached
+        num_new = min(remaining, budget)
+        if num_new < 1 or (whole and num_new < remaining):
+            return 0
+        if not self.kv_cache.allocate_with_prefix(request.request_id, hits, cached + num_new, reserve):
+            return 0
+        self.kv_cache.count_prefix_query(request.num_tokens, cached)
+        self.waiting.popleft()
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = cached
+        self.running.append(request)
+        return num_new
+
     def _schedule_prefill(self) -> SchedulerOutput:
         output = SchedulerOutput(is_prefill=True)
         budget = self.max_num_batched_tokens
         while self.waiting and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            # A preempted request recomputes everything it had: prompt and the tokens generated so far.
-            num_new = request.num_tokens - request.num_computed_tokens
-            # Leave one block per running request so the next decode step need not preempt what we admit;
-            # count the slot of the token this prefill samples, which that step computes.
-            spare = self.kv_cache.num_free_blocks - self.kv_cache.blocks_for(request.num_tokens + 1)
-            if num_new > budget or spare < len(self.running):
+            # Leave one block per running request so the next decode step need not preempt what we admit; count
+            # the slot of the token this prefill samples, which that step computes.
+            extra = self.kv_cache.blocks_for(request.num_tokens + 1) - self.kv_cache.blocks_for(request.num_tokens)
+            num_new = self._admit(request, budget, whole=True, reserve=len(self.running) + extra)
+            if not num_new:
                 break
-            if not self.kv_cache.allocate_slots(request.request_id, request.num_tokens):
-                break
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            output.requests.append(request)
-            output.num_new_tokens.append(num_new)
+            output.add(request, num_new)
             budget -= num_new
         return output
+
+    # ---- decode ----
 
     def _schedule_decode(self) -> SchedulerOutput:
         output = SchedulerOutput(is_prefill=False)
         index = 0
         while index < len(self.running):
             request = self.running[index]
-            # The last sampled token is the one this step computes; it needs a slot.
-            if self.kv_cache.allocate_slots(request.request_id, request.num_tokens):
-                output.requests.append(request)
-                output.num_new_tokens.append(1)
+            if self._grow_or_preempt(request, output):
+                output.add(request, 1)
                 index += 1
-            else:
-                victim = self.running.pop()  # may be `request` itself, which ends the loop
-                self._preempt(victim)
-                output.preempted.append(victim)
+        return output
+
+    def _grow_or_preempt(self, request: Request, output: SchedulerOutput) -> bool:
+        """A slot for the request's next token, preempting the most recently admitted running requests until
+        there is one; False when the request itself had to go."""
+        while not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + 1):
+            victim = self.running.pop()
+            self._preempt(victim)
+            output.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    # ---- chunked prefill ----
+
+    def _schedule_chunked(self) -> SchedulerOutput:
+        output = SchedulerOutput(is_prefill=False)
+        budget = self.max_num_batched_tokens
+        index = 0
+        while index < len(self.running) and budget > 0:  # decode tokens first, in admission order
+            request = self.running[index]
+            if request.num_tokens - request.num_computed_tokens == 1:
+                if not self._grow_or_preempt(request, output):
+                    continue  # it was the last running request: the loop ends
+                output.add(request, 1)
+                budget -= 1
+            index += 1
+        for request in self.running:  # then the prompts already being prefilled
+            remaining = request.num_tokens - request.num_computed_tokens
+            if remaining > 1 and budget > 0:
+                num_new = min(remaining, budget)
+                if not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+                    break  # no room for more prompt tokens this step
+                output.add(request, num_new)
+                output.is_prefill = True
+                budget -= num_new
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:  # then new requests
+            request = self.waiting[0]
+            num_new = self._admit(request, budget, whole=False, reserve=len(self.running))
+            if not num_new:
+                break
+            output.add(request, num_new)
+            output.is_prefill = True
+            budget -= num_new
         return output
 
     def _preempt(self, request: Request) -> None:

@@ -7,6 +7,7 @@ is `block_id * block_size + offset`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ class AttentionMetadata:
     query_start_loc: list[int]  # num_reqs + 1 offsets of each request's tokens in the flat batch
     context_lens_host: list[int]  # context_lens as Python ints (prefill walks requests one by one)
     max_query_len: int
+    num_decodes: int  # the leading requests with a single query token
 
     @property
     def num_reqs(self) -> int:
@@ -36,23 +38,35 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata) -> torch.Tensor:
-    """q: [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim], causal over each request's context."""
-    if meta.max_query_len == 1:
-        return _decode_attention(q, k_cache, v_cache, meta)
-    return _prefill_attention(q, k_cache, v_cache, meta)
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    decode: DecodeAttention | None = None) -> torch.Tensor:
+    """q: [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim], causal over each request's context.
+
+    The leading single-token requests (decodes) go through `decode` (q, k_cache, v_cache, block_tables,
+    context_lens) in one batch, torch's by default; the others one by one."""
+    decode = decode or decode_attention
+    d = meta.num_decodes
+    if d == meta.num_reqs:
+        return decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens)
+    out = torch.empty_like(q)
+    if d:
+        out[:d] = decode(q[:d], k_cache, v_cache, meta.block_tables[:d], meta.context_lens[:d])
+    _prefill_attention(q, k_cache, v_cache, meta, out, first=d)
+    return out
+
+
+def decode_attention(q, k_cache, v_cache, block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
     """One query per request, all requests in one batched call."""
     num_reqs, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
-    keys = k_cache[meta.block_tables].view(num_reqs, -1, kv_heads, head_dim).transpose(1, 2)
-    values = v_cache[meta.block_tables].view(num_reqs, -1, kv_heads, head_dim).transpose(1, 2)
+    keys = k_cache[block_tables].view(num_reqs, -1, kv_heads, head_dim).transpose(1, 2)
+    values = v_cache[block_tables].view(num_reqs, -1, kv_heads, head_dim).transpose(1, 2)
     positions = torch.arange(keys.shape[2], device=q.device)
-    mask = (positions[None, :] < meta.context_lens[:, None]).view(num_reqs, 1, 1, -1)
+    mask = (positions[None, :] < context_lens[:, None]).view(num_reqs, 1, 1, -1)
     # Slots past a request's context were never written (the cache is allocated uninitialised): zero them
     # so that no stray NaN reaches a score or the weighted sum, where masking alone would not cancel it.
     # In place: the gathers above are fresh copies.
@@ -64,20 +78,23 @@ def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Ten
     return out.reshape(num_reqs, heads, head_dim)
 
 
-def _prefill_attention(q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-    """Requests one by one (O(batch) host work), each causal over the context it just wrote."""
+def _prefill_attention(q, k_cache, v_cache, meta: AttentionMetadata, out: torch.Tensor, first: int) -> None:
+    """Requests `first`.. one by one (O(batch) host work), each over its whole context: the tokens it just wrote
+    and any earlier ones already in the cache (a cached prefix, earlier chunks); query i sits at position
+    context_len - query_len + i and sees the keys up to it."""
     _, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    out = torch.empty_like(q)
-    for i in range(meta.num_reqs):
+    for i in range(first, meta.num_reqs):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-        context_len = meta.context_lens_host[i]
-        # A prefill computes a request's whole context (no cached prefix yet), so causal masking is plain.
-        assert end - start == context_len, "prefill with an already-cached prefix is not supported"
+        context_len, query_len = meta.context_lens_host[i], end - start
         blocks = meta.block_tables[i, : (context_len + block_size - 1) // block_size]
         keys = k_cache[blocks].view(-1, kv_heads, head_dim)[:context_len].transpose(0, 1)
         values = v_cache[blocks].view(-1, kv_heads, head_dim)[:context_len].transpose(0, 1)
+        mask = None
+        if query_len != context_len:
+            query_positions = torch.arange(context_len - query_len, context_len, device=q.device)
+            mask = torch.arange(context_len, device=q.device)[None, :] <= query_positions[:, None]
         out[start:end] = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1), keys, values, is_causal=True, enable_gqa=heads != kv_heads
+            q[start:end].transpose(0, 1), keys, values, attn_mask=mask, is_causal=mask is None,
+            enable_gqa=heads != kv_heads,
         ).transpose(0, 1)
-    return out

@@ -33,9 +33,7 @@ class Ops:
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata) -> torch.Tensor:
-        if self.native and meta.max_query_len == 1:
-            return cpu.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens)
-        return paged_attention(q, k_cache, v_cache, meta)
+        return paged_attention(q, k_cache, v_cache, meta, cpu.paged_decode_attention if self.native else None)
 
     def prepare(self, linear_weights: list[tuple[nn.Module, str]]) -> None:
         """Swap each named linear weight for its packed form when the native kernels run."""

@@ -38,6 +38,7 @@ class StepInputs:
     query_start_loc: list[int]
     context_lens_host: list[int]
     max_query_len: int
+    num_decodes: int  # the leading requests with one new token each (attention runs them as one batch)
 
     @property
     def num_tokens(self) -> int:
@@ -50,7 +51,8 @@ def prepare_inputs(scheduled: SchedulerOutput, kv_manager: KVCacheManager) -> St
     start_positions = torch.tensor([r.num_computed_tokens for r in requests])
     rows = torch.tensor([kv_manager.row(r.request_id) for r in requests])
     if scheduled.is_prefill:
-        new_tokens = (r.all_token_ids[r.num_computed_tokens:] for r in requests)
+        new_tokens = (r.token_ids_slice(r.num_computed_tokens, r.num_computed_tokens + n)
+                      for r, n in zip(requests, scheduled.num_new_tokens))
         input_ids = torch.tensor(list(chain.from_iterable(new_tokens)))
     else:
         input_ids = torch.tensor([r.last_token_id for r in requests])
@@ -63,10 +65,13 @@ def prepare_inputs(scheduled: SchedulerOutput, kv_manager: KVCacheManager) -> St
     max_blocks = int((context_lens.max() + block_size - 1) // block_size)
     block_tables = kv_manager.block_tables[rows, :max_blocks]
     slot_mapping = block_tables[request_of_token, positions // block_size] * block_size + positions % block_size
+    multi = (query_lens > 1).nonzero()
     return StepInputs(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, block_tables=block_tables,
-                      context_lens=context_lens, logits_indices=query_start_loc[1:] - 1,
+                      context_lens=context_lens,
+                      logits_indices=(query_start_loc[1:] - 1)[torch.tensor(scheduled.samples, dtype=torch.bool)],
                       query_start_loc=query_start_loc.tolist(), context_lens_host=context_lens.tolist(),
-                      max_query_len=int(query_lens.max()))
+                      max_query_len=int(query_lens.max()),
+                      num_decodes=int(multi[0, 0]) if len(multi) else len(requests))
 
 
 class ModelRunner:
@@ -94,7 +99,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=step.slot_mapping.to(**to), block_tables=step.block_tables.to(**to),
             context_lens=step.context_lens.to(**to), query_start_loc=step.query_start_loc,
-            context_lens_host=step.context_lens_host, max_query_len=step.max_query_len)
+            context_lens_host=step.context_lens_host, max_query_len=step.max_query_len, num_decodes=step.num_decodes)
         comm, shard = self.comm, self.comm.shard
         if shard.first_stage:
             inputs = step.input_ids.to(**to)
@@ -108,7 +113,7 @@ class ModelRunner:
         if comm.rank == comm.logits_source and comm.rank != 0:
             comm.send_logits(out)
         elif comm.rank == 0 and comm.logits_source != 0:
-            out = comm.recv_logits(len(step.context_lens_host), self.config.torch_dtype, self.device)
+            out = comm.recv_logits(len(step.logits_indices), self.config.torch_dtype, self.device)
         return out if comm.rank == 0 else None
 
     def memory_stats(self) -> dict:
