@@ -328,7 +328,11 @@ def test_metrics_count_the_requests_sent(tiny_model_dir):
         assert stopped.json()["choices"][0]["finish_reason"] == "stop"
         usages.append(stopped.json()["usage"])
         assert post(server, "/v1/completions", {"prompt": "x", "top_p": 5}).status_code == 400  # refused: uncounted
+        repeated = " ".join(["river stone cloud"] * 12)  # 36+ tokens: two full blocks of 16 cached the second time
+        for _ in range(2):
+            usages.append(post(server, "/v1/completions", {"prompt": repeated, "max_tokens": 1}).json()["usage"])
         samples = metric_samples(server)
+        kv = engine.engine.kv_cache
     engine.shutdown()
 
     def value(name, **labels):
@@ -336,11 +340,14 @@ def test_metrics_count_the_requests_sent(tiny_model_dir):
 
     assert value("mini_infer:prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
     assert value("mini_infer:generation_tokens_total") == sum(u["completion_tokens"] for u in usages)
-    assert value("mini_infer:request_success_total", finished_reason="length") == 3
+    assert value("mini_infer:prefix_cache_queries_total") == kv.prefix_queries == sum(u["prompt_tokens"]
+                                                                                       for u in usages)
+    assert value("mini_infer:prefix_cache_hits_total") == kv.prefix_hits >= 32
+    assert value("mini_infer:request_success_total", finished_reason="length") == 5
     assert value("mini_infer:request_success_total", finished_reason="stop") == 1
     assert value("mini_infer:request_success_total", finished_reason="abort") == 0
-    assert value("mini_infer:time_to_first_token_seconds_count") == 4
-    assert value("mini_infer:e2e_request_latency_seconds_count") == 4
+    assert value("mini_infer:time_to_first_token_seconds_count") == 6
+    assert value("mini_infer:e2e_request_latency_seconds_count") == 6
     assert value("mini_infer:inter_token_latency_seconds_count") == sum(u["completion_tokens"] - 1 for u in usages)
     assert value("mini_infer:num_requests_running") == value("mini_infer:num_requests_waiting") == 0
     assert value("mini_infer:kv_cache_usage_perc") == 0

@@ -41,7 +41,9 @@ class KVCacheManager:
         self._free_rows: list[int] = list(range(max_num_seqs - 1, -1, -1))
         self._rows: dict[str, int] = {}
         self._num_owned: dict[str, int] = {}
-        self._chains: dict[str, list[int]] = {}  # request -> hashes of its registered full blocks, in order
+        # request -> (hash, cached block holding the same contents) of each of its full blocks, in order; that
+        # block is the request's own unless another request had already cached the very same contents.
+        self._chains: dict[str, list[tuple[int, int]]] = {}
         self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int64)
         self.prefix_queries = 0  # prompt tokens looked up, over admitted requests
         self.prefix_hits = 0  # of those, tokens served from the cache
@@ -103,7 +105,7 @@ class KVCacheManager:
             if self._ref[block] == 0:
                 del self._free[block]
             self._ref[block] += 1
-        self._chains[request_id] = [self._hash[b] for b in hits]
+        self._chains[request_id] = [(self._hash[b], b) for b in hits]
         row = self._rows[request_id] = self._free_rows.pop()
         self._num_owned[request_id] = len(hits)
         if hits:
@@ -126,18 +128,16 @@ class KVCacheManager:
         for i in range(len(chain), num_computed_tokens // size):
             block = int(self.block_tables[row, i])
             tokens = tuple(token_slice(i * size, (i + 1) * size))
-            parent = None
-            if i > 0:
-                parent_block = int(self.block_tables[row, i - 1])
-                parent = (parent_block, self._epoch[parent_block])
-            h = block_hash(chain[-1] if chain else None, tokens)
-            chain.append(h)
+            parent_hash, parent = (chain[-1][0], (chain[-1][1], self._epoch[chain[-1][1]])) if chain else (None, None)
+            h = block_hash(parent_hash, tokens)
             known = self._cached.get(h)
             if known is not None and self._key[known] == (parent, tokens):
-                continue  # computed twice (admitted together); the first copy stays the cached one
+                chain.append((h, known))  # computed twice (admitted together): the first copy stays the cached one
+                continue
             if known is not None:  # a hash collision: the newer block takes the entry
                 self._hash[known] = self._key[known] = None
             self._cached[h], self._hash[block], self._key[block] = block, h, (parent, tokens)
+            chain.append((h, block))
 
     # ---- blocks ----
 

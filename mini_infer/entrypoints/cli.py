@@ -36,6 +36,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-kernels", default="auto", choices=["auto", "on", "off"],
                         help="native CPU kernels for the matmuls and decode attention (auto: on for bf16/fp32 "
                              "on the CPU when they build)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the KV blocks of cached prompt prefixes (default on)")
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                        help="split prompts into chunks that share steps with decoding (default on; the step's "
+                             "token budget is --max-num-batched-tokens, 512 by default)")
     parallel = parser.add_argument_group("parallelism (README: Scale-out)")
     parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                           help="ranks that split every layer (Megatron-style)")
@@ -49,7 +54,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, device=args.device, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                cpu_kernels=args.cpu_kernels, tensor_parallel_size=args.tensor_parallel_size,
+                cpu_kernels=args.cpu_kernels, enable_prefix_caching=args.enable_prefix_caching,
+                enable_chunked_prefill=args.enable_chunked_prefill, tensor_parallel_size=args.tensor_parallel_size,
                 pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size)
 
 
