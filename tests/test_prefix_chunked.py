@@ -260,3 +260,27 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
 PrefixCacheMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestPrefixCacheMachine = PrefixCacheMachine.TestCase
+
+
+@pytest.mark.parametrize("workload, settings", [("shared-prefix", ["caching off", "caching on"]),
+                                                 ("long-prompt", ["chunked off", "chunked on"])])
+def test_feature_workloads_write_table_json_and_chart(tiny_model_dir, tmp_path, capsys, workload, settings):
+    import json
+
+    from mini_infer.entrypoints.cli import main
+
+    assert main(["bench", "--model", str(tiny_model_dir), "--dtype", "float32", "--workload", workload,
+                 "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / f"{workload}.json").read_text())
+    assert list(report["settings"]) == settings
+    printed = capsys.readouterr().out
+    assert all(name in printed for name in settings)
+    if workload == "shared-prefix":
+        off, on = report["settings"]["caching off"], report["settings"]["caching on"]
+        assert off["prefix_hits"] == 0 and on["prefix_hits"] >= 31 * 512  # all but the first find the prompt
+        assert on["prefix_queries"] == off["prefix_queries"] == 32 * (512 + 32) + 4 * 64  # + the warm-up
+    else:
+        off, on = report["settings"]["chunked off"], report["settings"]["chunked on"]
+        assert off["long_prompts_added"] == on["long_prompts_added"] == 4
+        assert off["num_gaps"] == on["num_gaps"] == 8 * 127  # every token of every stream after its first
+    assert (tmp_path / f"{workload}.png").read_bytes().startswith(b"\x89PNG")

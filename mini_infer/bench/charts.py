@@ -100,3 +100,16 @@ def parallel_chart(report: dict, path: Path) -> None:
     config = report["config"]
     _save(plt, fig, path, f"parallel layouts: batch {config['batch_size']}, {config['max_new_tokens']} new "
                           f"tokens, {Path(config['model']).name}, {config['dtype']}")
+
+
+def feature_chart(report: dict, path: Path) -> None:
+    """The two settings side by side: TTFT p50/p99 (shared-prefix) or streams' ITL p50/p99 (long-prompt)."""
+    plt = _pyplot()
+    settings = report["settings"]
+    names = list(settings)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    kind = "ttft" if report["workload"] == "shared-prefix" else "itl"
+    _paired_bars(ax, names, ("p50", [1000 * settings[n][f"{kind}_p50_s"] for n in names]),
+                 ("p99", [1000 * settings[n][f"{kind}_p99_s"] for n in names]),
+                 "time to first token (ms)" if kind == "ttft" else "inter-token latency of the streams (ms)")
+    _save(plt, fig, path, f"{report['workload']}: {Path(report['config']['model']).name}, {report['config']['dtype']}")

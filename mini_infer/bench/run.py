@@ -6,6 +6,7 @@ import sys
 import time
 
 from mini_infer.bench import charts
+from mini_infer.bench.features import long_prompt_table, run_long_prompt, run_shared_prefix, shared_prefix_table
 from mini_infer.bench.options import BenchOptions
 from mini_infer.bench.parallel import parallel_table, run_parallel
 from mini_infer.bench.report import machine_info, versions, write_json
@@ -17,6 +18,8 @@ WORKLOADS = {  # name -> (run, table, chart)
     "fixed": (run_fixed, fixed_table, charts.throughput_chart),
     "random": (run_random, random_table, charts.workload_chart),
     "parallel": (run_parallel, parallel_table, charts.parallel_chart),
+    "shared-prefix": (run_shared_prefix, shared_prefix_table, charts.feature_chart),
+    "long-prompt": (run_long_prompt, long_prompt_table, charts.feature_chart),
 }
 
 

@@ -151,7 +151,8 @@ class Scheduler:
                 output.add(request, num_new)
                 output.is_prefill = True
                 budget -= num_new
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:  # then new requests
+        # Then new requests, unless this step had to preempt (re-admitting a victim now would only thrash).
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not output.preempted:
             request = self.waiting[0]
             num_new = self._admit(request, budget, whole=False, reserve=len(self.running))
             if not num_new:
