@@ -131,8 +131,9 @@ def resolve_dtype(dtype: str | torch.dtype, model_config: ModelConfig) -> torch.
 
 
 CPU_KERNEL_MODES = ("auto", "on", "off")  # what each means: mini_infer.model.ops
-# Tokens per step with chunked prefill: on the CPU here the 0.5B shape prefills ~1k tokens/s, so a step of 512
-# tokens holds the running streams up for about half a second at most.
+# Tokens per step with chunked prefill. Prefill is compute-bound: the 0.5B shape prefills ~140-190 tokens/s in
+# bfloat16 on the 2-core machines here (docs/BENCHMARKS.md), so a 512-token step holds the running streams up for
+# ~3 s; a smaller budget shortens that stall and batches less prompt work per weight read. Not tuned beyond that.
 DEFAULT_CHUNKED_BUDGET = 512
 
 
