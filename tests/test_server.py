@@ -367,9 +367,11 @@ def test_bench_serve_reports_every_level(served, tmp_path, rate):
             "--out", str(tmp_path)]
     assert main(argv) == 0
     report = json.loads((tmp_path / "serve.json").read_text())
-    requests = sample_requests(ServeOptions.from_args(_build_parser().parse_args(argv)))
+    options = ServeOptions.from_args(_build_parser().parse_args(argv))
     assert [level["max_concurrency"] for level in report["levels"]] == [1, 3]
-    for level in report["levels"]:
+    assert sample_requests(options, 0) != sample_requests(options, 1)  # no level finds another's prompts cached
+    for index, level in enumerate(report["levels"]):
+        requests = sample_requests(options, index)
         assert level["completed"] == 6 and level["failed"] == 0 and level["errors"] == []
         assert level["output_tokens"] == sum(n for _, n in requests)  # EOS ignored: exactly the sampled lengths
         assert level["prompt_tokens"] == sum(len(p) for p, _ in requests)

@@ -88,9 +88,10 @@ class RequestRecord:
     itls: list[float] = field(default_factory=list)  # gaps between consecutive text chunks
 
 
-def sample_requests(options: ServeOptions) -> list[tuple[list[int], int]]:
-    """(prompt token ids, output length) per request, seeded."""
-    rng = random.Random(options.seed)
+def sample_requests(options: ServeOptions, level: int = 0) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output length) per request, seeded by (--seed, level): each level sends prompts of its
+    own, so a server's prefix cache cannot serve one level the prompts of another."""
+    rng = random.Random(options.seed * 1_000_003 + level)
 
     def length(mean: int) -> int:
         low, high = max(1, int(mean * (1 - options.range_ratio))), max(1, int(mean * (1 + options.range_ratio)))
@@ -235,9 +236,9 @@ def run_bench_serve(args: argparse.Namespace, log=None) -> dict:
     if models.status_code != 200:
         raise ValueError(f"{options.base_url}/v1/models answered {models.status_code}: {models.text[:200]}")
     model = options.model or models.json()["data"][0]["id"]
-    requests = sample_requests(options)
     levels = []
-    for concurrency in options.concurrencies:
+    for index, concurrency in enumerate(options.concurrencies):
+        requests = sample_requests(options, index)
         log(f"concurrency {concurrency}: {len(requests)} requests")
         levels.append(asyncio.run(run_level(options, model, requests, concurrency, log)))
     config = {"base_url": options.base_url, "model": model, "num_prompts": options.num_prompts,
