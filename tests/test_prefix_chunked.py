@@ -42,10 +42,11 @@ def tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def test_shared_prefixes_submitted_together_and_in_a_second_wave(shared):
+@pytest.mark.parametrize("chunked", [True, False])
+def test_shared_prefixes_submitted_together_and_in_a_second_wave(shared, chunked):
     path, prompts, expected = shared
     expected = expected[: len(prompts)]
-    llm = LLM(path, dtype="float64", block_size=4)
+    llm = LLM(path, dtype="float64", block_size=4, enable_chunked_prefill=chunked)
     assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
     kv = llm.engine.kv_cache
     first_hits = kv.prefix_hits
