@@ -31,21 +31,26 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=T
 SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=8, ignore_eos=True)
 
 
-def descendants(root: int) -> list[int]:
-    """Every live process under `root`, bar multiprocessing's resource tracker (it leaves with its parent)."""
-    parents = {}
+def _processes() -> list[tuple[int, str, int, int, bytes]]:
+    """(pid, state, parent pid, process group, command line) of every process /proc lists."""
+    found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
+                    fields = f.read().rsplit(")", 1)[1].split()
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
                     cmdline = f.read()
             except OSError:
                 continue
-            fields = stat.rsplit(")", 1)[1].split()
-            if fields[0] != "Z" and b"resource_tracker" not in cmdline:
-                parents[int(entry)] = int(fields[1])
+            found.append((int(entry), fields[0], int(fields[1]), int(fields[2]), cmdline))
+    return found
+
+
+def descendants(root: int) -> list[int]:
+    """Every live process under `root`, bar multiprocessing's resource tracker (it leaves with its parent)."""
+    parents = {pid: ppid for pid, state, ppid, _, cmdline in _processes()
+               if state != "Z" and b"resource_tracker" not in cmdline}
     found, frontier = [], [root]
     while frontier:
         parent = frontier.pop()
@@ -222,17 +227,7 @@ def test_ctrl_c_stops_every_process(tiny_model_dir):
 
 
 def _group_members(pgid: int) -> list[int]:
-    members = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                members.append(int(entry))
-    return members
+    return [pid for pid, state, _, group, _ in _processes() if group == pgid and state != "Z"]
 
 
 def test_torchrun_style_launch_runs_rank_1_as_mini_infer_worker(untied_reference, monkeypatch):

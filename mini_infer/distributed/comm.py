@@ -26,7 +26,6 @@ from mini_infer.distributed.shm import ShmAllReduce, shm_unavailable_reason
 class Comm:
     shard: Shard
     rank: int = 0
-    world_size: int = 1
     tp_group: object | None = None  # this stage's tensor-parallel group
     control: object | None = None  # gloo group of every rank: step descriptions from rank 0
     shm_all_reduce: Callable | None = None  # the stage's shared-memory all-reduce, when its ranks share a machine
@@ -100,7 +99,7 @@ def init_process_groups(config: EngineConfig, rank: int, world_size: int, init_m
         if stage == rank // tp:
             tp_group = group
     shard = make_shard(config.model_config, tp, rank % tp, pp, rank // tp)
-    comm = Comm(shard, rank=rank, world_size=world_size, tp_group=tp_group, control=control)
+    comm = Comm(shard, rank=rank, tp_group=tp_group, control=control)
     if tp > 1:
         reason = shm_unavailable_reason(tp_group, device)
         if reason is None:

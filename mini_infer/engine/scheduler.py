@@ -74,8 +74,7 @@ class Scheduler:
     def _admit(self, request: Request, budget: int, *, whole: bool, reserve: int) -> int:
         """Admit the first waiting request with its cached prefix and up to `budget` more tokens (all of them
         when `whole`); the tokens scheduled, 0 when it cannot be admitted now."""
-        tokens = request.token_ids_slice(0, request.num_tokens)
-        hits = self.kv_cache.match_prefix(tokens)
+        hits = self.kv_cache.match_prefix(request.all_token_ids)
         cached = len(hits) * self.kv_cache.block_size
         remaining = request.num_tokens - cached
         num_new = min(remaining, budget)

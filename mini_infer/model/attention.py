@@ -23,7 +23,6 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # [num_reqs] tokens in the cache after this step, per request
     query_start_loc: list[int]  # num_reqs + 1 offsets of each request's tokens in the flat batch
     context_lens_host: list[int]  # context_lens as Python ints (prefill walks requests one by one)
-    max_query_len: int
     num_decodes: int  # the leading requests with a single query token
 
     @property

@@ -37,7 +37,6 @@ class StepInputs:
     logits_indices: torch.Tensor  # [num_reqs] the last new token of each request
     query_start_loc: list[int]
     context_lens_host: list[int]
-    max_query_len: int
     num_decodes: int  # the leading requests with one new token each (attention runs them as one batch)
 
     @property
@@ -70,7 +69,6 @@ def prepare_inputs(scheduled: SchedulerOutput, kv_manager: KVCacheManager) -> St
                       context_lens=context_lens,
                       logits_indices=(query_start_loc[1:] - 1)[torch.tensor(scheduled.samples, dtype=torch.bool)],
                       query_start_loc=query_start_loc.tolist(), context_lens_host=context_lens.tolist(),
-                      max_query_len=int(query_lens.max()),
                       num_decodes=int(multi[0, 0]) if len(multi) else len(requests))
 
 
@@ -99,7 +97,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=step.slot_mapping.to(**to), block_tables=step.block_tables.to(**to),
             context_lens=step.context_lens.to(**to), query_start_loc=step.query_start_loc,
-            context_lens_host=step.context_lens_host, max_query_len=step.max_query_len, num_decodes=step.num_decodes)
+            context_lens_host=step.context_lens_host, num_decodes=step.num_decodes)
         comm, shard = self.comm, self.comm.shard
         if shard.first_stage:
             inputs = step.input_ids.to(**to)
