@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from mini_infer.config import EngineConfig
 from mini_infer.engine.input_processor import PromptType
-from mini_infer.distributed.data_parallel import create_engine
+from mini_infer.engine.data_parallel import create_engine
 from mini_infer.outputs import RequestOutput
 from mini_infer.sampling_params import RequestOutputKind, SamplingParams
 
@@ -73,14 +73,13 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         num_output_tokens = 0
-        while pending:
-            for output in self.engine.step():
-                if output.finished and output.request_id in pending:
-                    pending.discard(output.request_id)
-                    finished[output.request_id] = output
-                    num_output_tokens += len(output.outputs[0].token_ids)
-                    bar.set_postfix_str(f"{num_output_tokens / max(bar.format_dict['elapsed'], 1e-9):.1f} out tok/s")
-                    bar.update(1)
+        for output in self.engine.run_until_done():
+            if output.finished and output.request_id in pending:
+                pending.discard(output.request_id)
+                finished[output.request_id] = output
+                num_output_tokens += len(output.outputs[0].token_ids)
+                bar.set_postfix_str(f"{num_output_tokens / max(bar.format_dict['elapsed'], 1e-9):.1f} out tok/s")
+                bar.update(1)
         bar.close()
         return [finished[rid] for rid in request_ids]
 

@@ -20,7 +20,7 @@ from conftest import PARITY_CONFIGS, build_hf_model, hf_greedy, save_hf_model
 from mini_infer import LLM, SamplingParams
 from mini_infer.bench.parallel import parse_layout
 from mini_infer.config import EngineConfig
-from mini_infer.distributed.data_parallel import DataParallelEngine
+from mini_infer.engine.data_parallel import DataParallelEngine
 from mini_infer.distributed.shard import make_shard
 from mini_infer.distributed.shm import SHM_DIR
 from mini_infer.errors import InvalidRequestError, WorkerDiedError
@@ -342,7 +342,7 @@ def test_server_over_data_parallel_replicas(tiny_model_dir):
 
     import httpx
 
-    from mini_infer.distributed.data_parallel import create_engine
+    from mini_infer.engine.data_parallel import create_engine
     from mini_infer.engine.async_engine import AsyncLLMEngine
     from mini_infer.engine.metrics import EngineMetrics
     from mini_infer.entrypoints.openai.api_server import build_app

@@ -9,7 +9,6 @@ from safetensors.torch import load_file
 
 from mini_infer.factory import (
     PRESETS,
-    cache_dir,
     default_model_dir,
     ensure_default_model,
     make_model,
@@ -17,6 +16,7 @@ from mini_infer.factory import (
     write_tokenizer,
 )
 from mini_infer.factory import checkpoint, tokenizer
+from mini_infer.paths import cache_dir
 
 ADDED_TOKENS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",

@@ -7,15 +7,13 @@ import json
 
 import pytest
 
-from mini_infer.bench.profile import ROWS, add_profile_parser, profile_decode_step, run_profile
+from mini_infer.bench.profile import ROWS, add_profile_args, profile_decode_step, run_profile
 
 TINY = ["--batch-size", "2", "--prompt-len", "4", "--decode-steps-before", "2", "--steps", "2"]
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_profile_parser(parser.add_subparsers())
-    return parser.parse_args(["profile", *argv])
+    return add_profile_args(argparse.ArgumentParser()).parse_args(argv)
 
 
 def _check_breakdown(result: dict) -> None:

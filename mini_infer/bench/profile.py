@@ -12,6 +12,8 @@ from pathlib import Path
 
 from torch.profiler import ProfilerActivity, profile
 
+from mini_infer.engine.arg_utils import EngineArgs
+from mini_infer.engine.llm_engine import LLMEngine
 from mini_infer.sampling_params import RequestOutputKind, SamplingParams
 
 # Ranges the engine labels; "forward" encloses kv_write, attention and lm_head, the rest are disjoint.
@@ -20,11 +22,8 @@ ROWS = ("input preparation", "KV write", "attention", "rest of forward", "LM hea
         "scheduler / bookkeeping", "other")
 
 
-def add_profile_parser(subparsers) -> argparse.ArgumentParser:
-    """Register the `profile` subcommand (its own options plus the engine's)."""
-    from mini_infer.entrypoints.cli import add_engine_args
-
-    parser = subparsers.add_parser("profile", help="break one decode step at batch B down by component")
+def add_profile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The `profile` subcommand's options plus the engine's."""
     parser.add_argument("--batch-size", type=int, default=8, help="requests decoding together")
     parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request")
     parser.add_argument("--decode-steps-before", type=int, default=64,
@@ -32,21 +31,18 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=5, help="decode steps measured (the mean is reported)")
     parser.add_argument("--out", default=None, help="directory for profile.json and profile.txt")
     parser.add_argument("--trace", action="store_true", help="also write a Chrome trace (trace.json) to --out")
-    add_engine_args(parser)
+    EngineArgs.add_cli_args(parser)
     return parser
 
 
 def run_profile(args: argparse.Namespace) -> int:
     """Build the engine from the parsed flags, profile its decode step, print the table (and write --out)."""
-    from mini_infer.engine.llm_engine import LLMEngine
-    from mini_infer.entrypoints.cli import engine_kwargs, resolve_model
-
     if args.trace and args.out is None:
         raise ValueError("--trace needs --out (the directory the trace is written to)")
     if args.data_parallel_size != 1:
         raise ValueError("--data-parallel-size: profile breaks down the decode step of one replica (on rank 0 "
                          "with tensor/pipeline parallelism); run it with --data-parallel-size 1")
-    engine = LLMEngine.from_args(resolve_model(args.model), **engine_kwargs(args))
+    engine = LLMEngine(EngineArgs.from_cli_args(args).create_engine_config())
     out_dir = Path(args.out) if args.out is not None else None
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)

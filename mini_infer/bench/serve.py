@@ -23,9 +23,7 @@ from mini_infer.bench.report import format_table, percentile
 QWEN25_REGULAR_TOKENS = 151643  # ids below this are Qwen2.5's BPE tokens (the special tokens follow)
 
 
-def add_bench_serve_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("bench-serve", help="load-test a running server over HTTP: throughput and "
-                                                       "TTFT / TPOT / ITL / E2E latency percentiles")
+def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (without /v1)")
     parser.add_argument("--model", default=None, help="model name to send (default: the server's only model)")
     parser.add_argument("--api-key", default=None, help="default: $MINI_INFER_API_KEY if set")

@@ -1,1 +1,1 @@
-"""Scale-out: tensor- and pipeline-parallel ranks on torch.distributed, data-parallel replicas behind a router."""
+"""Communication primitives the model uses: its shard of the layers, the process groups, the shared-memory all-reduce."""

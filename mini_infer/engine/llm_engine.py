@@ -6,7 +6,7 @@ of them reaches the scheduler, so the engine keeps serving everything else.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -14,7 +14,7 @@ from torch.profiler import record_function
 
 from mini_infer.config import EngineConfig
 from mini_infer.distributed.comm import Comm
-from mini_infer.distributed.workers import Ranks
+from mini_infer.executor.ranks import Ranks
 from mini_infer.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
 from mini_infer.engine.input_processor import InputProcessor, PromptType
 from mini_infer.engine.kv_cache import KVCacheManager
@@ -31,12 +31,12 @@ from mini_infer.sampling_params import RequestOutputKind, SamplingParams
 class LLMEngine:
     """One engine replica: the scheduler and sampler here, the model on this process alone or, with tensor or
     pipeline parallelism, over ranks this process leads as rank 0 (data_parallel_size is for
-    mini_infer.distributed.data_parallel.create_engine, which starts replicas of this)."""
+    mini_infer.engine.data_parallel.create_engine, which starts replicas of this)."""
 
     def __init__(self, config: EngineConfig) -> None:
         if config.data_parallel_size != 1:
             raise ValueError("LLMEngine is one replica; build data_parallel_size > 1 with "
-                             "mini_infer.distributed.data_parallel.create_engine (LLM does)")
+                             "mini_infer.engine.data_parallel.create_engine (LLM does)")
         self.config = config
         model_dir = Path(config.model)
         self.tokenizer = load_tokenizer(model_dir)
@@ -121,6 +121,12 @@ class LLMEngine:
         with record_function("scheduler"):
             outputs.extend(self._process(scheduled, sampled))
         return outputs
+
+    def run_until_done(self) -> Iterator[RequestOutput]:
+        """Step until no request is unfinished, yielding every step's outputs as they come: the one step loop of
+        every caller (LLM.generate, the CLI, the benchmarks)."""
+        while self.has_unfinished_requests():
+            yield from self.step()
 
     def _forward(self, inputs) -> torch.Tensor:
         if self.ranks is None:

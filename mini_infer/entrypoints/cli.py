@@ -21,55 +21,12 @@ _SAMPLING_FLAGS = {  # flag -> (type, SamplingParams field)
 }
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None,
-                        help="local HF-format model directory (default: the random-weight qwen2.5-0.5b preset, "
-                             "generated once into the cache)")
-    parser.add_argument("--dtype", default="auto", help="auto, bfloat16, float16, float32 or float64")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--cpu-kernels", default="auto", choices=["auto", "on", "off"],
-                        help="native CPU kernels for the matmuls and decode attention (auto: on for bf16/fp32 "
-                             "on the CPU when they build)")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                        help="reuse the KV blocks of cached prompt prefixes (default on)")
-    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
-                        help="split prompts into chunks that share steps with decoding (default on; the step's "
-                             "token budget is --max-num-batched-tokens, 512 by default)")
-    parallel = parser.add_argument_group("parallelism (README: Scale-out)")
-    parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                          help="ranks that split every layer (Megatron-style)")
-    parallel.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                          help="stages that split the layers")
-    parallel.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                          help="engine replicas behind a least-outstanding-work router")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(dtype=args.dtype, device=args.device, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                cpu_kernels=args.cpu_kernels, enable_prefix_caching=args.enable_prefix_caching,
-                enable_chunked_prefill=args.enable_chunked_prefill, tensor_parallel_size=args.tensor_parallel_size,
-                pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size)
-
-
-def resolve_model(model: str | None) -> str:
-    from mini_infer.factory import ensure_default_model
-
-    return model if model is not None else str(ensure_default_model())
-
-
 def _build_parser() -> argparse.ArgumentParser:
     from mini_infer.bench.options import add_bench_args
-    from mini_infer.bench.profile import add_profile_parser
-    from mini_infer.bench.serve import add_bench_serve_parser
-    from mini_infer.entrypoints.openai.api_server import add_serve_parser
+    from mini_infer.bench.profile import add_profile_args
+    from mini_infer.bench.serve import add_bench_serve_args
+    from mini_infer.engine.arg_utils import EngineArgs
+    from mini_infer.entrypoints.openai.api_server import add_serve_args
     from mini_infer.factory import PRESETS
 
     parser = argparse.ArgumentParser(prog="mini-infer", description=__doc__)
@@ -90,17 +47,20 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     for flag, (kind, _) in _SAMPLING_FLAGS.items():
         gen.add_argument(flag, type=kind, default=None, help="default: the model's generation_config.json")
-    add_engine_args(gen)
+    EngineArgs.add_cli_args(gen)
 
     bench = commands.add_parser("bench", help="output tokens/s of mini-infer and HF transformers on the same "
                                               "prompts, weights and threads; writes a table, JSON and a PNG chart")
     add_bench_args(bench)
-    add_profile_parser(commands)
+    add_profile_args(commands.add_parser("profile", help="break one decode step at batch B down by component"))
     worker = commands.add_parser("worker", help="run one rank (RANK >= 1) of a torchrun-style multi-node launch; "
                                                 "give it the engine flags rank 0 runs with")
-    add_engine_args(worker)
-    add_serve_parser(commands)
-    add_bench_serve_parser(commands)
+    EngineArgs.add_cli_args(worker)
+    add_serve_args(commands.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, "
+                                                     "streaming, metrics)"))
+    add_bench_serve_args(commands.add_parser("bench-serve", help="load-test a running server over HTTP: "
+                                                               "throughput and TTFT / TPOT / ITL / E2E latency "
+                                                               "percentiles"))
     return parser
 
 
@@ -121,10 +81,10 @@ def main(argv: list[str] | None = None) -> int:
             run_bench_serve(args)
             return 0
         if args.command == "worker":
-            from mini_infer.config import EngineConfig
-            from mini_infer.distributed.workers import run_worker
+            from mini_infer.engine.arg_utils import EngineArgs
+            from mini_infer.executor.ranks import run_worker
 
-            run_worker(EngineConfig(model=resolve_model(args.model), **engine_kwargs(args)))
+            run_worker(EngineArgs.from_cli_args(args).create_engine_config())
             return 0
         if args.command == "serve":
             from mini_infer.entrypoints.openai.api_server import run_server
@@ -147,20 +107,20 @@ def _make_model(args) -> int:
 def _bench(args) -> int:
     from mini_infer.bench.options import BenchOptions
     from mini_infer.bench.run import run_bench
+    from mini_infer.engine.arg_utils import EngineArgs
 
     options = BenchOptions.from_args(args)
-    run_bench(options, resolve_model(options.model))
+    run_bench(options, EngineArgs(model=options.model).resolved_model())
     return 0
 
 
 def _generate(args) -> int:
     from dataclasses import replace
 
-    from mini_infer import RequestOutputKind
-    from mini_infer.config import EngineConfig
-    from mini_infer.distributed.data_parallel import create_engine
+    from mini_infer.engine.arg_utils import EngineArgs
+    from mini_infer.sampling_params import RequestOutputKind
 
-    engine = create_engine(EngineConfig(model=resolve_model(args.model), **engine_kwargs(args)))
+    engine = EngineArgs.from_cli_args(args).create_engine()
     chosen = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (_, field) in _SAMPLING_FLAGS.items()}
     chosen = {k: v for k, v in chosen.items() if v is not None}
     params = replace(engine.default_sampling_params(), **chosen, max_tokens=args.max_tokens,
@@ -175,14 +135,13 @@ def _generate(args) -> int:
     engine.add_request("cli", prompt, params)
     start = time.perf_counter()
     first_token_at, num_tokens, finish_reason = None, 0, None
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            completion = output.outputs[0]
-            sys.stdout.write(completion.text)
-            sys.stdout.flush()
-            num_tokens += len(completion.token_ids)
-            first_token_at = first_token_at or time.perf_counter()
-            finish_reason = completion.finish_reason
+    for output in engine.run_until_done():
+        completion = output.outputs[0]
+        sys.stdout.write(completion.text)
+        sys.stdout.flush()
+        num_tokens += len(completion.token_ids)
+        first_token_at = first_token_at or time.perf_counter()
+        finish_reason = completion.finish_reason
     end = time.perf_counter()
     decode_rate = (num_tokens - 1) / (end - first_token_at) if num_tokens > 1 else float("nan")
     print(f"\n[mini-infer] {num_tokens} tokens, finish_reason={finish_reason}; "

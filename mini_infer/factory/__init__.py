@@ -8,11 +8,10 @@ from mini_infer.factory.checkpoint import (
     parameter_count,
     write_config,
 )
-from mini_infer.factory.tokenizer import cache_dir, write_tokenizer
+from mini_infer.factory.tokenizer import write_tokenizer
 
 __all__ = [
     "PRESETS",
-    "cache_dir",
     "default_model_dir",
     "ensure_default_model",
     "make_model",

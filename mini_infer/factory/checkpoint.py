@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from mini_infer.factory.tokenizer import cache_dir, write_tokenizer
+from mini_infer.factory.tokenizer import write_tokenizer
+from mini_infer.paths import cache_dir
 
 _QWEN25_05B = {
     "architectures": ["Qwen2ForCausalLM"],

@@ -11,6 +11,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from mini_infer.paths import cache_dir
+
 # Bump when the built tokenizer.json changes, so stale cache entries are not reused.
 BUILDER_VERSION = "qwen2.5-tokenizer-v1"
 
@@ -65,15 +67,6 @@ CHAT_TEMPLATE = (
     "{{- '<|im_start|>assistant\\n' -}}"
     "{%- endif -%}"
 )
-
-
-def cache_dir() -> Path:
-    """Where mini-infer keeps built artifacts: $MINI_INFER_CACHE, else the XDG cache dir."""
-    if explicit := os.environ.get("MINI_INFER_CACHE"):
-        return Path(explicit)
-    if xdg := os.environ.get("XDG_CACHE_HOME"):
-        return Path(xdg) / "mini-infer"
-    return Path.home() / ".cache" / "mini-infer"
 
 
 def qwen_vocab_path() -> Path:

@@ -14,7 +14,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from mini_infer.factory.tokenizer import cache_dir
+from mini_infer.paths import cache_dir
 
 
 class KernelUnavailable(RuntimeError):

@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mini_infer.engine.arg_utils import EngineArgs
 from mini_infer.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from mini_infer.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from mini_infer.errors import InvalidRequestError
@@ -402,12 +403,8 @@ def _validation_error(error: ValidationError) -> APIError:
     return APIError(400, f"{path}: {first['msg']} (got {first.get('input')!r:.80})", str(loc[0]))
 
 
-def add_serve_parser(subparsers):
-    """Register the `serve` subcommand (its own options plus the engine's)."""
-    from mini_infer.entrypoints.cli import add_engine_args
-
-    parser = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, "
-                                                 "metrics)")
+def add_serve_args(parser):
+    """The `serve` subcommand's options plus the engine's."""
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None,
@@ -418,7 +415,7 @@ def add_serve_parser(subparsers):
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="larger request bodies get a 413")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    add_engine_args(parser)
+    EngineArgs.add_cli_args(parser)
     return parser
 
 
@@ -430,18 +427,17 @@ def run_server(args) -> int:
 
     import uvicorn
 
-    from mini_infer.config import EngineConfig
-    from mini_infer.distributed.data_parallel import create_engine
     from mini_infer.engine.metrics import EngineMetrics
-    from mini_infer.entrypoints.cli import engine_kwargs, resolve_model
 
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
-    model_dir = resolve_model(args.model)
+    engine_args = EngineArgs.from_cli_args(args)
+    model_dir = engine_args.resolved_model()
     name = args.served_model_name or args.model or Path(model_dir).name
     api_key = args.api_key if args.api_key is not None else os.environ.get("MINI_INFER_API_KEY")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    engine = AsyncLLMEngine(create_engine(EngineConfig(model=model_dir, **engine_kwargs(args))), EngineMetrics(name))
+    engine_args.model = model_dir
+    engine = AsyncLLMEngine(engine_args.create_engine(), EngineMetrics(name))
     app = build_app(engine, name, api_key=api_key, max_body_bytes=args.max_body_bytes)
     logging.getLogger("mini_infer").info("serving %s (%s) on http://%s:%d/v1", name, model_dir, args.host, args.port)
     try:

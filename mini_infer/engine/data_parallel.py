@@ -26,7 +26,7 @@ import torch
 import torch.multiprocessing as mp
 
 from mini_infer.config import EngineConfig
-from mini_infer.distributed.workers import STOP_GRACE_S, cpu_share
+from mini_infer.executor.ranks import STOP_GRACE_S, cpu_share
 from mini_infer.engine.detokenizer import load_tokenizer
 from mini_infer.engine.input_processor import InputProcessor, PromptType
 from mini_infer.engine.llm_engine import LLMEngine
@@ -123,6 +123,8 @@ class DataParallelEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._owner)
+
+    run_until_done = LLMEngine.run_until_done
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._owner)

@@ -1,0 +1,87 @@
+"""EngineArgs: the engine's knobs as command-line flags, defined once for every command that builds an engine
+(generate, serve, worker, bench, profile)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, asdict, dataclass, fields
+
+from mini_infer.config import EngineConfig
+from mini_infer.engine.data_parallel import create_engine
+
+
+def _default(name: str):
+    """EngineConfig's default for a field: the flags and the Python API never disagree."""
+    default = EngineConfig.__dataclass_fields__[name].default
+    assert default is not MISSING, name
+    return default
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    model: str | None = None  # None: the random-weight qwen2.5-0.5b preset, generated once into the cache
+    dtype: str = _default("dtype")
+    device: str = _default("device")
+    block_size: int = _default("block_size")
+    num_kv_blocks: int | None = _default("num_kv_blocks")
+    kv_cache_memory_gb: float = _default("kv_cache_memory_gb")
+    max_num_seqs: int = _default("max_num_seqs")
+    max_num_batched_tokens: int | None = _default("max_num_batched_tokens")
+    max_model_len: int | None = _default("max_model_len")
+    cpu_kernels: str = _default("cpu_kernels")
+    enable_prefix_caching: bool = _default("enable_prefix_caching")
+    enable_chunked_prefill: bool = _default("enable_chunked_prefill")
+    tensor_parallel_size: int = _default("tensor_parallel_size")
+    pipeline_parallel_size: int = _default("pipeline_parallel_size")
+    data_parallel_size: int = _default("data_parallel_size")
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        parser.add_argument("--model", default=None,
+                            help="local HF-format model directory (default: the random-weight qwen2.5-0.5b preset, "
+                                 "generated once into the cache)")
+        parser.add_argument("--dtype", default=_default("dtype"), help="auto, bfloat16, float16, float32 or float64")
+        parser.add_argument("--device", default=_default("device"))
+        parser.add_argument("--block-size", type=int, default=_default("block_size"))
+        parser.add_argument("--num-kv-blocks", type=int, default=None)
+        parser.add_argument("--kv-cache-memory-gb", type=float, default=_default("kv_cache_memory_gb"))
+        parser.add_argument("--max-num-seqs", type=int, default=_default("max_num_seqs"))
+        parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+        parser.add_argument("--max-model-len", type=int, default=None)
+        parser.add_argument("--cpu-kernels", default=_default("cpu_kernels"), choices=["auto", "on", "off"],
+                            help="native CPU kernels for the matmuls and decode attention (auto: on for bf16/fp32 "
+                                 "on the CPU when they build)")
+        parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                            default=_default("enable_prefix_caching"),
+                            help="reuse the KV blocks of cached prompt prefixes (default on)")
+        parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                            default=_default("enable_chunked_prefill"),
+                            help="split prompts into chunks that share steps with decoding (default on; the step's "
+                                 "token budget is --max-num-batched-tokens, 512 by default)")
+        parallel = parser.add_argument_group("parallelism (README: Scale-out)")
+        parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=_default("tensor_parallel_size"),
+                              help="ranks that split every layer (Megatron-style)")
+        parallel.add_argument("--pipeline-parallel-size", "-pp", type=int, default=_default("pipeline_parallel_size"),
+                              help="stages that split the layers")
+        parallel.add_argument("--data-parallel-size", "-dp", type=int, default=_default("data_parallel_size"),
+                              help="engine replicas behind a least-outstanding-work router")
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+    def resolved_model(self) -> str:
+        """The model directory: as given, or the default model (written on first use)."""
+        if self.model is not None:
+            return self.model
+        from mini_infer.factory import ensure_default_model
+
+        return str(ensure_default_model())
+
+    def create_engine_config(self) -> EngineConfig:
+        return EngineConfig(**{**asdict(self), "model": self.resolved_model()})
+
+    def create_engine(self):
+        """An LLMEngine, or a DataParallelEngine when data_parallel_size > 1."""
+        return create_engine(self.create_engine_config())
