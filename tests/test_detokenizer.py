@@ -6,6 +6,7 @@ import pytest
 
 from mini_infer import SamplingParams
 from mini_infer.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
+from mini_infer.engine.stop import find_stop_string
 
 TEXT = "Paged attention 🦙🚀 naïve café — 鬱鬱蔥蔥 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 done."
 
@@ -57,7 +58,7 @@ def test_stop_string_cuts_the_text(tokenizer, include):
     detok = IncrementalDetokenizer(tokenizer, SamplingParams(stop=["zzz", "thr"], include_stop_str_in_output=include))
     found = None
     for n in range(1, len(ids) + 1):
-        found = detok.find_stop(detok.update(ids[:n]))
+        found = find_stop_string(detok, detok.update(ids[:n]))
         if found:
             break
     assert found == "thr"

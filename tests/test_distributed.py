@@ -283,11 +283,7 @@ def test_router_sends_each_request_to_the_least_loaded_replica(tiny_model_dir):
         with pytest.raises(InvalidRequestError, match="already in use"):
             engine.add_request("long", [1], SamplingParams(max_tokens=2))
         engine.abort_request("long")
-        finished = {}
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                if output.finished:
-                    finished[output.request_id] = output.outputs[0]
+        finished = {o.request_id: o.outputs[0] for o in engine.run_until_done() if o.finished}
         assert {rid: c.finish_reason for rid, c in finished.items()} == \
             {"long": "abort", "short-a": "length", "short-b": "length"}
         assert [len(finished[r].token_ids) for r in ("short-a", "short-b")] == [20, 20]

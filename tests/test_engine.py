@@ -25,12 +25,7 @@ def llm(model_dir):
 
 
 def run_to_end(engine: LLMEngine) -> dict[str, object]:
-    final = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                final[output.request_id] = output
-    return final
+    return {output.request_id: output for output in engine.run_until_done() if output.finished}
 
 
 @pytest.mark.parametrize("prompt,params,message", [
@@ -107,9 +102,8 @@ def test_step_streams_cumulative_and_delta_outputs(llm):
     engine.add_request("final", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True,
                                                           output_kind=RequestOutputKind.FINAL_ONLY))
     seen: dict[str, list] = {"cumulative": [], "delta": [], "final": []}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            seen[output.request_id].append(output)
+    for output in engine.run_until_done():
+        seen[output.request_id].append(output)
     cumulative = [o.outputs[0].token_ids for o in seen["cumulative"]]
     assert [len(c) for c in cumulative] == [1, 2, 3, 4, 5]
     assert [len(o.outputs[0].token_ids) for o in seen["delta"]] == [1] * 5

@@ -16,7 +16,6 @@ import torch
 from conftest import DEVICE, PARITY_CONFIGS, build_hf_model, hf_greedy, save_hf_model
 from mini_infer import LLM, SamplingParams
 from mini_infer.engine.llm_engine import LLMEngine
-from mini_infer.runner.model_runner import prepare_inputs
 
 PROMPT_LENGTHS = [1, 2, 7, 16, 33, 50, 77, 100, 5]
 MAX_NEW_TOKENS = 32
@@ -39,8 +38,8 @@ def engine_logits(engine: LLMEngine, prompts: list[list[int]]) -> list[torch.Ten
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, GREEDY)
     scheduled = engine.scheduler.schedule()
-    assert scheduled.is_prefill and len(scheduled.requests) == len(prompts)
-    step = prepare_inputs(scheduled, engine.kv_cache)
+    assert scheduled.is_prefill and len(scheduled.request_ids) == len(prompts)
+    step = engine.runner.prepare(scheduled)
     logits = engine.runner.forward(replace(step, logits_indices=torch.arange(step.num_tokens)))
     return list(logits.split(scheduled.num_new_tokens))
 

@@ -15,7 +15,6 @@ from conftest import PARITY_CONFIGS, build_hf_model, hf_greedy, save_hf_model
 from mini_infer import LLM, SamplingParams
 from mini_infer.engine import kv_cache as kv_module
 from mini_infer.engine.kv_cache import KVCacheManager
-from mini_infer.runner.model_runner import prepare_inputs
 
 MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -91,14 +90,12 @@ def test_chunked_step_never_exceeds_the_budget_and_decodes_come_first(shared):
         scheduled = engine.scheduler.schedule()
         assert scheduled.num_tokens <= 16
         lens = scheduled.num_new_tokens
-        decodes = [r.num_tokens - r.num_computed_tokens == 1 for r in scheduled.requests]
+        requests = [engine.requests[rid] for rid in scheduled.request_ids]
+        decodes = [r.num_tokens - r.num_computed_tokens == 1 for r in requests]
         assert decodes == sorted(decodes, reverse=True)  # every decode before every prompt chunk
         saw_mixed |= any(decodes) and not all(decodes)
-        inputs = prepare_inputs(scheduled, engine.kv_cache)
-        sampled = engine.sampler(engine._forward(inputs), [r for r, s in zip(scheduled.requests, scheduled.samples)
-                                                           if s]) if any(scheduled.samples) else None
-        engine._process(scheduled, sampled)
-        assert len(lens) == len(scheduled.requests)
+        engine._process(scheduled, engine._execute(scheduled))
+        assert len(lens) == len(scheduled.request_ids)
     assert saw_mixed
 
 

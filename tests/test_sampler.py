@@ -4,32 +4,69 @@ logprobs (the same knobs end to end are in test_sampling_e2e.py)."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
 
 from mini_infer import SamplingParams
-from mini_infer.engine.request import Request
+from mini_infer.runner.plan import NewRequest
 from mini_infer.runner.sampler import Sampler
 
 CPU = torch.device("cpu")
 
 
+@dataclass(eq=False)
+class Row:
+    """One request as the sampler sees it: its parameters and tokens."""
+
+    params: SamplingParams
+    prompt: list[int]
+    output: list[int]
+    eos: tuple[int, ...]
+    request_id: str
+
+
 def make_request(params: SamplingParams, prompt=(0,), output=(), eos=(), seed: int | None = None,
-                 request_id: str = "r") -> Request:
-    request = Request(
-        request_id=request_id, prompt=None, prompt_token_ids=list(prompt), params=params,
-        max_tokens=params.max_tokens or 16, eos_token_ids=frozenset(eos), detokenizer=None,
-        generator=torch.Generator().manual_seed(seed) if seed is not None else None,
-    )
-    request.output_token_ids.extend(output)
-    return request
+                 request_id: str = "r") -> Row:
+    if seed is not None:
+        params = replace(params, seed=seed)
+    return Row(params, list(prompt), list(output), tuple(eos), request_id)
+
+
+class BatchSampler:
+    """A Sampler used as the runner uses it: each request takes a slot of its own the first time it is seen."""
+
+    def __init__(self, vocab_size: int, device: torch.device, seed: int) -> None:
+        self.sampler = Sampler(vocab_size, device, seed)
+        self.rows: list[Row] = []
+        self.slots: dict[int, int] = {}  # id(row) -> slot
+
+    def _slots(self, requests: list[Row]) -> list[int]:
+        for row in requests:
+            if id(row) not in self.slots:
+                slot = self.slots[id(row)] = len(self.rows)
+                self.rows.append(row)
+                self.sampler.add(NewRequest(
+                    request_id=f"{slot}:{row.request_id}", slot=slot, token_ids=row.prompt + row.output,
+                    num_prompt_tokens=len(row.prompt), num_computed_tokens=0, block_ids=[], params=row.params,
+                    min_tokens_stop_ids=(*row.eos, *row.params.stop_token_ids)))
+        return [self.slots[id(row)] for row in requests]
+
+    def __call__(self, logits: torch.Tensor, requests: list[Row]):
+        return self.sampler(logits, self._slots(requests))
+
+    def apply_penalties(self, logits: torch.Tensor, requests: list[Row]) -> torch.Tensor:
+        return self.sampler.apply_penalties(logits, self._slots(requests))
+
+    def mask_stop_tokens_under_min(self, logits: torch.Tensor, requests: list[Row]) -> torch.Tensor:
+        return self.sampler.mask_stop_tokens_under_min(logits, self._slots(requests))
 
 
 def draw(logits_row: torch.Tensor, params: SamplingParams, num_draws: int, sampler_seed: int = 0,
          **request_kwargs) -> torch.Tensor:
     """`num_draws` independent samples from one logits row: one batch of identical unseeded rows."""
-    sampler = Sampler(logits_row.shape[-1], CPU, sampler_seed)
+    sampler = BatchSampler(logits_row.shape[-1], CPU, sampler_seed)
     requests = [make_request(params, **request_kwargs) for _ in range(num_draws)]
     return torch.tensor(sampler(logits_row.expand(num_draws, -1).clone(), requests).token_ids)
 
@@ -55,7 +92,7 @@ def logits_from_probs(probs: list[float], dtype=torch.float64) -> torch.Tensor:
 def test_greedy_is_argmax_on_random_rows():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(64, 37, generator=gen)
-    sampler = Sampler(37, CPU, seed=0)
+    sampler = BatchSampler(37, CPU, seed=0)
     out = sampler(logits, [make_request(SamplingParams(temperature=0.0)) for _ in range(64)])
     assert out.token_ids == logits.argmax(dim=-1).tolist()
     assert out.logprobs == [None] * 64
@@ -64,7 +101,7 @@ def test_greedy_is_argmax_on_random_rows():
 def test_top_k_1_equals_greedy_on_random_rows():
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(200, 23, generator=gen) * 3
-    sampler = Sampler(23, CPU, seed=5)
+    sampler = BatchSampler(23, CPU, seed=5)
     for _ in range(3):  # several steps: the noise changes, the answer must not
         out = sampler(logits, [make_request(SamplingParams(temperature=1.0, top_k=1)) for _ in range(200)])
         assert out.token_ids == logits.argmax(dim=-1).tolist()
@@ -74,7 +111,7 @@ def test_tiny_temperature_is_greedy_even_in_a_sampled_batch():
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(40, 16, generator=gen)
     params = [SamplingParams(temperature=1e-6) if i % 2 else SamplingParams(temperature=1.0) for i in range(40)]
-    out = Sampler(16, CPU, seed=0)(logits, [make_request(p) for p in params])
+    out = BatchSampler(16, CPU, seed=0)(logits, [make_request(p) for p in params])
     argmax = logits.argmax(dim=-1).tolist()
     assert [t for i, t in enumerate(out.token_ids) if i % 2] == argmax[1::2]
     assert [t for i, t in enumerate(out.token_ids) if not i % 2] != argmax[0::2]  # sampled rows do sample
@@ -84,9 +121,9 @@ def test_padded_vocab_columns_are_never_sampled():
     # Model heads may be wider than the vocabulary; the extra columns are not tokens.
     logits = torch.zeros(300, 12)
     logits[:, 10:] = 50.0
-    greedy = Sampler(10, CPU, 0)(logits[:1], [make_request(SamplingParams(temperature=0.0, logprobs=2))])
+    greedy = BatchSampler(10, CPU, 0)(logits[:1], [make_request(SamplingParams(temperature=0.0, logprobs=2))])
     assert greedy.token_ids == [0]  # all real tokens tie: the first
-    sampled = Sampler(10, CPU, 0)(logits, [make_request(SamplingParams(temperature=1.0)) for _ in range(300)])
+    sampled = BatchSampler(10, CPU, 0)(logits, [make_request(SamplingParams(temperature=1.0)) for _ in range(300)])
     assert max(sampled.token_ids) < 10 and len(set(sampled.token_ids)) == 10
     _, _, _, values = greedy.logprobs[0]
     assert values == pytest.approx([math.log(0.1)] * 2, abs=1e-6)
@@ -114,7 +151,7 @@ def test_top_k_off_or_beyond_vocab_samples_everything(top_k, with_top_k_row):
     if with_top_k_row:
         params.append(SamplingParams(temperature=1.0, top_k=2))
     requests = [make_request(p) for _ in range(6000) for p in params]
-    out = Sampler(20, CPU, 0)(logits.expand(len(requests), -1).clone(), requests)
+    out = BatchSampler(20, CPU, 0)(logits.expand(len(requests), -1).clone(), requests)
     tokens = torch.tensor(out.token_ids[:: len(params)])
     assert set(tokens.tolist()) == set(range(20))
     assert_frequencies_match(tokens, logits.softmax(-1))
@@ -155,7 +192,7 @@ def test_top_k_and_top_p_rows_in_one_batch_use_their_own_values():
               SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=3, top_p=0.99)]
     repeats = 600
     requests = [make_request(p) for _ in range(repeats) for p in params]  # the four kinds interleaved
-    out = Sampler(6, CPU, seed=3)(logits.expand(len(requests), -1).clone(), requests)
+    out = BatchSampler(6, CPU, seed=3)(logits.expand(len(requests), -1).clone(), requests)
     seen = [set(out.token_ids[i::len(params)]) for i in range(len(params))]
     assert seen == [{2, 5}, {2}, {0, 2, 3, 5}, {0, 2, 5}]
 
@@ -198,9 +235,9 @@ def test_frequencies_follow_softmax_of_logits_over_temperature(temperature):
 def test_sampler_seed_makes_unseeded_rows_reproducible():
     logits = torch.zeros(50, 30)
     requests = [make_request(SamplingParams()) for _ in range(50)]
-    first = Sampler(30, CPU, seed=4)(logits, requests).token_ids
-    assert Sampler(30, CPU, seed=4)(logits, requests).token_ids == first
-    assert Sampler(30, CPU, seed=5)(logits, requests).token_ids != first
+    first = BatchSampler(30, CPU, seed=4)(logits, requests).token_ids
+    assert BatchSampler(30, CPU, seed=4)(logits, requests).token_ids == first
+    assert BatchSampler(30, CPU, seed=5)(logits, requests).token_ids != first
 
 
 # ---- per-request seeds ----
@@ -208,7 +245,7 @@ def test_sampler_seed_makes_unseeded_rows_reproducible():
 def _seeded_run(batch: list[tuple[SamplingParams, int | None]], target: int, logits: torch.Tensor,
                 sampler_seed: int, steps: int = 12) -> list[int]:
     """The tokens row `target` gets over `steps` calls, every row reading the same logits."""
-    sampler = Sampler(logits.shape[-1], CPU, sampler_seed)
+    sampler = BatchSampler(logits.shape[-1], CPU, sampler_seed)
     requests = [make_request(p, seed=s, request_id=str(i)) for i, (p, s) in enumerate(batch)]
     tokens = []
     for _ in range(steps):
@@ -243,7 +280,7 @@ def test_different_seeds_give_different_tokens():
 
 def test_seeded_rows_follow_the_distribution():
     logits = torch.tensor([1.0, 0.0, -1.0, 0.5], dtype=torch.float64)
-    sampler = Sampler(4, CPU, seed=0)
+    sampler = BatchSampler(4, CPU, seed=0)
     requests = [make_request(SamplingParams(temperature=1.0), seed=s) for s in range(4000)]
     tokens = torch.tensor(sampler(logits.expand(4000, -1).clone(), requests).token_ids)
     assert_frequencies_match(tokens, logits.softmax(-1))
@@ -285,7 +322,7 @@ def test_apply_penalties_matches_hand_computed_logits():
     requests = [make_request(SamplingParams(repetition_penalty=r, presence_penalty=p, frequency_penalty=f),
                              prompt=prompt, output=output)
                 for prompt, output, r, p, f in PENALTY_CASES]
-    result = Sampler(10, CPU, 0)._apply_penalties(logits.clone(), requests)
+    result = BatchSampler(10, CPU, 0).apply_penalties(logits.clone(), requests)
     expected = torch.stack([expected_penalised(row.tolist(), prompt, output, r, p, f)
                             for row, (prompt, output, r, p, f) in zip(logits, PENALTY_CASES)])
     torch.testing.assert_close(result, expected, rtol=0, atol=1e-12)
@@ -299,7 +336,7 @@ def test_penalties_do_not_leak_into_the_last_vocab_token():
                              prompt=[0], output=[1]),
                 make_request(SamplingParams(repetition_penalty=2.0, presence_penalty=1.0, frequency_penalty=1.0),
                              prompt=[0, 0, 0, 0, 0], output=[1, 1, 1, 2, 2, 2, 2])]
-    result = Sampler(6, CPU, 0)._apply_penalties(logits, requests)
+    result = BatchSampler(6, CPU, 0).apply_penalties(logits, requests)
     assert result.tolist() == [[0.5, 0.5 - 2.0, 1, 1, 1, 1], [0.5, 0.5 - 4.0, 0.5 - 5.0, 1, 1, 1]]
 
 
@@ -318,15 +355,15 @@ def test_penalties_do_not_leak_into_the_last_vocab_token():
 ])
 def test_penalties_flip_the_choice(params, prompt, output, expected):
     logits = torch.tensor([[2.0, 1.9, 0.0, 1.5, -1.0, 1.0]])
-    out = Sampler(6, CPU, 0)(logits, [make_request(params, prompt=prompt, output=output)])
+    out = BatchSampler(6, CPU, 0)(logits, [make_request(params, prompt=prompt, output=output)])
     assert out.token_ids == [expected]
 
 
 def test_repetition_penalty_makes_negative_logits_more_negative():
     logits = torch.tensor([[-1.0, -1.1, -5.0]])
     params = SamplingParams(temperature=0.0, repetition_penalty=1.2)
-    assert Sampler(3, CPU, 0)(logits, [make_request(params, prompt=[0])]).token_ids == [1]  # -1.2 < -1.1
-    assert Sampler(3, CPU, 0)(logits, [make_request(params, prompt=[2])]).token_ids == [0]
+    assert BatchSampler(3, CPU, 0)(logits, [make_request(params, prompt=[0])]).token_ids == [1]  # -1.2 < -1.1
+    assert BatchSampler(3, CPU, 0)(logits, [make_request(params, prompt=[2])]).token_ids == [0]
 
 
 # ---- min_tokens ----
@@ -334,10 +371,10 @@ def test_repetition_penalty_makes_negative_logits_more_negative():
 def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     logits = torch.tensor([0.0, 1.0, 2.0, 9.0, 3.0, 8.0, 4.0, 5.0])
     params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[5, 100])
-    sampler = Sampler(8, CPU, 0)
+    sampler = BatchSampler(8, CPU, 0)
     for num_output in range(6):
         request = make_request(params, output=[1] * num_output, eos=[3, 200])
-        masked = sampler._mask_stop_tokens_under_min(logits[None].clone(), [request])[0]
+        masked = sampler.mask_stop_tokens_under_min(logits[None].clone(), [request])[0]
         expected = logits.clone()
         if num_output < 3:
             expected[[3, 5]] = float("-inf")
@@ -354,7 +391,7 @@ def test_min_tokens_mask_is_per_row():
         make_request(SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[2]), eos=[1]),
         make_request(SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[1])),  # ignore_eos: no eos
     ]
-    assert Sampler(4, CPU, 0)(logits, requests).token_ids == [2, 1, 3, 2]
+    assert BatchSampler(4, CPU, 0)(logits, requests).token_ids == [2, 1, 3, 2]
 
 
 def test_min_tokens_mask_holds_when_sampling():
@@ -381,7 +418,7 @@ def test_logprobs_are_those_of_the_raw_logits():
         make_request(SamplingParams(temperature=0.5, top_k=4, logprobs=20, min_p=0.1), seed=2),
         make_request(SamplingParams(temperature=2.0, logprobs=1, presence_penalty=2.0), output=[3, 4], seed=3),
     ]
-    out = Sampler(30, CPU, 0)(logits.clone(), requests)
+    out = BatchSampler(30, CPU, 0)(logits.clone(), requests)
     raw = torch.log_softmax(logits, dim=-1)
     assert out.logprobs[2] is None
     assert out.token_ids[1] != 7
@@ -400,7 +437,7 @@ def test_logprobs_are_those_of_the_raw_logits():
 
 def test_logprobs_of_low_precision_logits_are_computed_in_float32():
     logits = torch.tensor([[3.0, 2.0, -1.0, 0.5]], dtype=torch.bfloat16)
-    out = Sampler(4, CPU, 0)(logits, [make_request(SamplingParams(temperature=0.0, logprobs=2))])
+    out = BatchSampler(4, CPU, 0)(logits, [make_request(SamplingParams(temperature=0.0, logprobs=2))])
     expected = torch.log_softmax(logits.float(), dim=-1)[0]
     logprob, rank, top_ids, top_values = out.logprobs[0]
     assert (out.token_ids, rank, top_ids) == ([0], 1, [0, 1])
@@ -409,5 +446,5 @@ def test_logprobs_of_low_precision_logits_are_computed_in_float32():
 
 
 def test_batch_without_logprobs_gets_none():
-    out = Sampler(5, CPU, 0)(torch.zeros(3, 5), [make_request(SamplingParams()) for _ in range(3)])
+    out = BatchSampler(5, CPU, 0)(torch.zeros(3, 5), [make_request(SamplingParams()) for _ in range(3)])
     assert out.logprobs == [None, None, None]

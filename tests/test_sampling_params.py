@@ -177,19 +177,16 @@ def test_engine_refuses_bad_requests_and_keeps_serving(hf_model_dir):
     assert len(engine.scheduler.waiting) == 0 and len(engine.scheduler.running) == 1
 
     final = None
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            assert output.request_id == "good"
-            final = output
+    for output in engine.run_until_done():
+        assert output.request_id == "good"
+        final = output
     assert final.finished and final.outputs[0].finish_reason == "length"
     assert final.outputs[0].token_ids == hf_greedy(model, good_prompt, 6)
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
 
     # A refused id was never registered, so it is free to use.
     engine.add_request("too-long", good_prompt, GREEDY)
-    outputs = []
-    while engine.has_unfinished_requests():
-        outputs.extend(engine.step())
+    outputs = list(engine.run_until_done())
     assert outputs[-1].request_id == "too-long" and outputs[-1].outputs[0].token_ids == final.outputs[0].token_ids
 
 

@@ -4,6 +4,7 @@ by hand, no model), then LLMEngine-level rejection, abort and a small-cache stre
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -14,7 +15,8 @@ from conftest import build_hf_model, save_hf_model
 from mini_infer.engine.kv_cache import KVCacheManager
 from mini_infer.engine.llm_engine import LLMEngine
 from mini_infer.engine.request import Request, RequestStatus
-from mini_infer.engine.scheduler import Scheduler, SchedulerOutput
+from mini_infer.engine.scheduler import Scheduler
+from mini_infer.runner.plan import StepPlan
 from mini_infer.sampling_params import SamplingParams
 
 SAMPLED_TOKEN = 7
@@ -32,7 +34,25 @@ def make_scheduler(num_blocks: int, block_size: int, max_num_seqs: int = 8, max_
     return Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
 
 
-def complete(scheduler: Scheduler, output: SchedulerOutput) -> None:
+@dataclass
+class Scheduled:
+    """A step's plan read back as the Request objects it names (the plan itself carries only their ids)."""
+
+    plan: StepPlan
+    requests: list[Request]
+    preempted: list[Request]
+
+    def __getattr__(self, name):
+        return getattr(self.plan, name)
+
+
+def schedule(scheduler: Scheduler) -> Scheduled:
+    known = {r.request_id: r for r in (*scheduler.running, *scheduler.waiting)}
+    plan = scheduler.schedule()
+    return Scheduled(plan, [known[rid] for rid in plan.request_ids], [known[rid] for rid in plan.preempted_ids])
+
+
+def complete(scheduler: Scheduler, output: Scheduled) -> None:
     """What LLMEngine.step does after the forward: count the computed tokens, append a sampled one, retire
     requests that reached max_tokens."""
     for request, num_new in zip(output.requests, output.num_new_tokens):
@@ -42,8 +62,8 @@ def complete(scheduler: Scheduler, output: SchedulerOutput) -> None:
             scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
 
 
-def step(scheduler: Scheduler) -> SchedulerOutput:
-    output = scheduler.schedule()
+def step(scheduler: Scheduler) -> Scheduled:
+    output = schedule(scheduler)
     complete(scheduler, output)
     return output
 
@@ -226,7 +246,7 @@ def test_random_workload_steps_are_well_formed_and_finish(num_blocks, block_size
             _, name, p, m = arrivals.pop(0)
             scheduler.add(make_request(name, p, m))
         running_before, waiting_before = list(scheduler.running), list(scheduler.waiting)
-        output = scheduler.schedule()
+        output = schedule(scheduler)
         assert output.requests, "a step with unfinished requests scheduled nothing"
         if output.is_prefill:
             assert output.requests == waiting_before[:len(output.requests)]

@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
+from mini_infer.config import EngineConfig
 from mini_infer.engine.input_processor import PromptType
 from mini_infer.engine.llm_engine import LLMEngine
 from mini_infer.engine.metrics import EngineMetrics
@@ -42,9 +43,15 @@ class _Stream:
 
 
 class AsyncLLMEngine:
+    """What a server needs of an engine it does not own: requests as async streams, and read-only facts taken
+    when it was built (config, tokenizer, default sampling parameters, metrics), never the live engine."""
+
     def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None) -> None:
-        self.engine = engine
-        self.metrics = metrics
+        self.engine = engine  # owned by the engine thread from here on
+        self._metrics = metrics
+        self._config = engine.config
+        self._tokenizer = engine.tokenizer
+        self._default_params = engine.default_sampling_params()
         self.error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # touched by the engine thread only
@@ -52,6 +59,25 @@ class AsyncLLMEngine:
         self._thread.start()
 
     # ---- called from the event loop ----
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's validated configuration (model directory, max_model_len, ...)."""
+        return self._config
+
+    @property
+    def tokenizer(self):
+        """The model's tokenizer (None for a directory without tokenizer.json): chat templates, token counts."""
+        return self._tokenizer
+
+    def default_sampling_params(self) -> SamplingParams:
+        """The sampling defaults of the model's generation_config.json (a copy: callers may change it)."""
+        return replace(self._default_params)
+
+    @property
+    def metrics_registry(self):
+        """The Prometheus registry of the engine's metrics (None when built without metrics)."""
+        return self._metrics.registry if self._metrics is not None else None
 
     @property
     def healthy(self) -> bool:
@@ -148,20 +174,20 @@ class AsyncLLMEngine:
             stream.loop.call_soon_threadsafe(_settle, added, e)
             return
         self._streams[request_id] = stream
-        if self.metrics is not None:
-            self.metrics.on_add(request_id, time.monotonic())
+        if self._metrics is not None:
+            self._metrics.on_add(request_id, time.monotonic())
         stream.loop.call_soon_threadsafe(_settle, added, None)
 
     def _abort(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is None:
             return  # finished (or refused) already
         self.engine.abort_request(request_id)
-        if self.metrics is not None:
-            self.metrics.on_abort(request_id)
+        if self._metrics is not None:
+            self._metrics.on_abort(request_id)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        if self.metrics is not None:
-            self.metrics.on_outputs(outputs, time.monotonic())
+        if self._metrics is not None:
+            self._metrics.on_outputs(outputs, time.monotonic())
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
@@ -171,8 +197,8 @@ class AsyncLLMEngine:
             stream.put(output)
 
     def _report_state(self) -> None:
-        if self.metrics is not None:
-            self.metrics.on_state(*self.engine.scheduler_state())
+        if self._metrics is not None:
+            self._metrics.on_state(*self.engine.scheduler_state())
 
     def _fail_pending_commands(self, error: EngineDeadError) -> None:
         while True:

@@ -2,7 +2,8 @@
 
 Each step decodes only a short window of the newest tokens; text is released once it no longer ends in
 an incomplete UTF-8 sequence (a multi-byte character split across tokens), and, while stop strings are
-set, the last few characters are held back because they may be the start of a stop string.
+set, the last few characters are held back because they may be the start of a stop string (which
+mini_infer.engine.stop looks for).
 """
 
 from __future__ import annotations
@@ -50,18 +51,6 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
         self.output_text += new_text
         return len(new_text)
-
-    def find_stop(self, num_new_chars: int) -> str | None:
-        """The first stop string that the newest characters complete; cuts the text there."""
-        if not self.stop_strings or not num_new_chars:
-            return None
-        search_from = max(0, len(self.output_text) - num_new_chars - (max(map(len, self.stop_strings)) - 1))
-        hits = [(i, s) for s in self.stop_strings if (i := self.output_text.find(s, search_from)) >= 0]
-        if not hits:
-            return None
-        index, stop = min(hits)
-        self.output_text = self.output_text[: index + (len(stop) if self.include_stop else 0)]
-        return stop
 
     def visible_text(self, finished: bool) -> str:
         if finished or not self.holdback:

@@ -188,7 +188,8 @@ class KVCacheManager:
     def row(self, request_id: str) -> int:
         return self._rows[request_id]
 
-    def block_ids(self, request_id: str) -> list[int]:
+    def block_ids(self, request_id: str, start: int = 0) -> list[int]:
+        """The request's blocks from the `start`-th on."""
         if request_id not in self._rows:
             return []
-        return self.block_tables[self._rows[request_id], : self._num_owned[request_id]].tolist()
+        return self.block_tables[self._rows[request_id], start: self._num_owned[request_id]].tolist()

@@ -22,8 +22,10 @@ from mini_infer.engine.request import Request, RequestStatus
 from mini_infer.engine.scheduler import Scheduler
 from mini_infer.errors import InvalidRequestError, WorkerDiedError
 from mini_infer.outputs import CompletionOutput, Logprob, RequestOutput
-from mini_infer.runner.model_runner import ModelRunner, prepare_inputs
-from mini_infer.runner.sampler import Sampler
+from mini_infer.engine.stop import check_stop
+from mini_infer.runner.model_runner import ModelRunner
+from mini_infer.runner.plan import StepPlan
+from mini_infer.runner.sampler import SamplerOutput
 from mini_infer.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -57,7 +59,6 @@ class LLMEngine:
         except BaseException:
             self.shutdown()
             raise
-        self.sampler = Sampler(config.model_config.vocab_size, self.device, config.seed)
         self.requests: dict[str, Request] = {}
         self._aborted_outputs: list[RequestOutput] = []
         self._failure: WorkerDiedError | None = None
@@ -80,13 +81,10 @@ class LLMEngine:
         detokenizer = IncrementalDetokenizer(self.tokenizer, params) if self.tokenizer is not None else None
         if params.stop_strings and detokenizer is None:
             raise InvalidRequestError("SamplingParams.stop needs a tokenizer; this model directory has none", "stop")
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
         request = Request(
             request_id=request_id, prompt=text, prompt_token_ids=token_ids, params=params, max_tokens=max_tokens,
             eos_token_ids=frozenset() if params.ignore_eos else self.processor.eos_token_ids,
-            detokenizer=detokenizer, generator=generator,
+            detokenizer=detokenizer,
         )
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -108,18 +106,12 @@ class LLMEngine:
             raise WorkerDiedError(f"the engine has stopped: {self._failure}")
         outputs, self._aborted_outputs = self._aborted_outputs, []
         with record_function("scheduler"):
-            scheduled = self.scheduler.schedule()
-        if not scheduled.requests:
+            plan = self.scheduler.schedule()
+        if not (plan.request_ids or plan.finished_ids or plan.preempted_ids):
             return outputs
-        with record_function("input_prep"):
-            inputs = prepare_inputs(scheduled, self.kv_cache)
-        with record_function("forward"):
-            logits = self._forward(inputs)
-        with record_function("sampling"):
-            sampling = [r for r, samples in zip(scheduled.requests, scheduled.samples) if samples]
-            sampled = self.sampler(logits, sampling) if sampling else None
+        sampled = self._execute(plan)
         with record_function("scheduler"):
-            outputs.extend(self._process(scheduled, sampled))
+            outputs.extend(self._process(plan, sampled))
         return outputs
 
     def run_until_done(self) -> Iterator[RequestOutput]:
@@ -128,60 +120,39 @@ class LLMEngine:
         while self.has_unfinished_requests():
             yield from self.step()
 
-    def _forward(self, inputs) -> torch.Tensor:
+    def _execute(self, plan: StepPlan) -> SamplerOutput | None:
         if self.ranks is None:
-            return self.runner.forward(inputs)
+            return self.runner.execute(plan)
         try:
-            self.ranks.broadcast_step(inputs)
-            return self.ranks.guard(self.runner.forward, inputs)
+            self.ranks.broadcast_step(plan)
+            return self.ranks.guard(self.runner.execute, plan)
         except BaseException as e:  # the workers are stopped: this engine cannot step again
             self._failure = e if isinstance(e, WorkerDiedError) else WorkerDiedError(f"a step failed: {e!r}")
             raise
 
-    def _process(self, scheduled, sampled) -> list[RequestOutput]:
+    def _process(self, plan: StepPlan, sampled: SamplerOutput | None) -> list[RequestOutput]:
         """Count the computed tokens (registering blocks they filled), append the sampled tokens, retire
         finished requests and build the step's outputs (a prompt chunk that samples nothing has none)."""
         outputs = []
         rows = iter(zip(sampled.token_ids, sampled.logprobs)) if sampled is not None else iter(())
-        for request, num_new, samples in zip(scheduled.requests, scheduled.num_new_tokens, scheduled.samples):
+        for request_id, num_new in zip(plan.request_ids, plan.num_new_tokens):
+            request = self.requests[request_id]
             request.num_computed_tokens += num_new
-            self.kv_cache.cache_blocks(request.request_id, request.token_ids_slice, request.num_computed_tokens)
-            if not samples:
-                continue
+            self.kv_cache.cache_blocks(request_id, request.token_ids_slice, request.num_computed_tokens)
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a prompt chunk with more to come: nothing sampled
             token_id, logprobs = next(rows)
-            self._append_token(request, token_id, logprobs)
+            request.output_token_ids.append(token_id)
+            if logprobs is not None:
+                self._record_logprobs(request, token_id, logprobs)
+            check_stop(request, token_id)
             if request.finished:
                 self.scheduler.finish(request, request.status)
-                del self.requests[request.request_id]
+                del self.requests[request_id]
             output = _make_output(request)
             if output is not None:
                 outputs.append(output)
         return outputs
-
-    def _append_token(self, request: Request, token_id: int, logprobs) -> None:
-        request.output_token_ids.append(token_id)
-        if logprobs is not None:
-            self._record_logprobs(request, token_id, logprobs)
-        status, reason = self._stop_status(request, token_id)
-        if request.detokenizer is not None:
-            finishing = status is not None
-            num_new_chars = request.detokenizer.update(request.output_token_ids, flush=finishing)
-            may_stop = request.num_output_tokens >= request.params.min_tokens
-            stop_string = request.detokenizer.find_stop(num_new_chars) if may_stop else None
-            if stop_string is not None:
-                status, reason = RequestStatus.FINISHED_STOPPED, stop_string
-        if status is not None:
-            request.status, request.stop_reason = status, reason
-
-    def _stop_status(self, request: Request, token_id: int) -> tuple[RequestStatus | None, int | str | None]:
-        if request.num_output_tokens >= request.params.min_tokens:
-            if token_id in request.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED, None
-            if token_id in request.params.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED, token_id
-        if request.num_output_tokens >= request.max_tokens:
-            return RequestStatus.FINISHED_LENGTH, None
-        return None, None
 
     def _record_logprobs(self, request: Request, token_id: int, logprobs) -> None:
         logprob, rank, top_ids, top_values = logprobs

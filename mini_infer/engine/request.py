@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from mini_infer.engine.detokenizer import IncrementalDetokenizer
 from mini_infer.outputs import Logprob
 from mini_infer.sampling_params import SamplingParams
@@ -33,7 +31,6 @@ class Request:
     max_tokens: int  # params.max_tokens, or what max_model_len leaves when that is None
     eos_token_ids: frozenset[int]  # empty when params.ignore_eos
     detokenizer: IncrementalDetokenizer | None
-    generator: torch.Generator | None = None  # set when params.seed is given
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
@@ -75,8 +72,9 @@ class Request:
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
     @property
-    def last_token_id(self) -> int:
-        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The token ids that end the request (once it has min_tokens outputs)."""
+        return (*self.eos_token_ids, *self.params.stop_token_ids)
 
     @property
     def text(self) -> str:

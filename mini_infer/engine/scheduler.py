@@ -14,33 +14,18 @@ its last token.
 
 When a decode token finds no free block, the most recently admitted running request is preempted: its blocks are
 freed and it is recomputed later (from its cached prefix, if its blocks are still cached by then).
+
+Each step's decision goes out as a StepPlan (plain data): a request's tokens, blocks and sampling parameters
+once, when it enters the runners' batch, then only what it gained since it last ran, and who left the batch.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from mini_infer.engine.kv_cache import KVCacheManager
 from mini_infer.engine.request import Request, RequestStatus
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    is_prefill: bool  # a prompt (or part of one) is computed in this step
-    requests: list[Request] = field(default_factory=list)  # decoding requests first
-    num_new_tokens: list[int] = field(default_factory=list)  # per scheduled request
-    samples: list[bool] = field(default_factory=list)  # per scheduled request: it samples a token this step
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    def add(self, request: Request, num_new: int) -> None:
-        self.requests.append(request)
-        self.num_new_tokens.append(num_new)
-        self.samples.append(request.num_computed_tokens + num_new == request.num_tokens)
+from mini_infer.runner.plan import NewRequest, StepPlan
 
 
 class Scheduler:
@@ -53,6 +38,37 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
+        # What the runners' batch holds of each request in it: (tokens, blocks) as last sent.
+        self._sent: dict[str, tuple[int, int]] = {}
+        self._left: list[str] = []  # finished since the last plan
+        self._preempted: list[str] = []  # preempted while this plan is made
+
+    def _plan_add(self, plan: StepPlan, request: Request, num_new: int) -> None:
+        """Schedule `num_new` tokens of the request: its whole data if the batch does not hold it yet, else
+        the tokens and blocks it gained since it last ran."""
+        rid, kv = request.request_id, self.kv_cache
+        plan.request_ids.append(rid)
+        plan.num_new_tokens.append(num_new)
+        num_blocks = kv.num_blocks_owned(rid)
+        sent = self._sent.get(rid)
+        if sent is None:
+            plan.new_requests.append(NewRequest(
+                request_id=rid, slot=kv.row(rid), token_ids=request.all_token_ids,
+                num_prompt_tokens=request.num_prompt_tokens, num_computed_tokens=request.num_computed_tokens,
+                block_ids=kv.block_ids(rid), params=request.params, min_tokens_stop_ids=request.stop_token_ids))
+        else:
+            sent_tokens, sent_blocks = sent
+            if request.num_tokens > sent_tokens:
+                plan.new_token_ids[rid] = request.token_ids_slice(sent_tokens, request.num_tokens)
+            if num_blocks > sent_blocks:
+                plan.new_block_ids[rid] = kv.block_ids(rid, sent_blocks)
+        self._sent[rid] = (request.num_tokens, num_blocks)
+
+    def _seal(self, plan: StepPlan) -> StepPlan:
+        """Hand the plan the departures since the last plan."""
+        plan.finished_ids, self._left = self._left, []
+        plan.preempted_ids, self._preempted = self._preempted, []
+        return plan
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -60,14 +76,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> StepPlan:
         if self.enable_chunked_prefill:
-            return self._schedule_chunked()
+            return self._seal(self._schedule_chunked())
         if self.waiting:
-            output = self._schedule_prefill()
-            if output.requests:
-                return output
-        return self._schedule_decode()
+            plan = self._schedule_prefill()
+            if plan.request_ids:
+                return self._seal(plan)
+        return self._seal(self._schedule_decode())
 
     # ---- admission ----
 
@@ -89,8 +105,8 @@ class Scheduler:
         self.running.append(request)
         return num_new
 
-    def _schedule_prefill(self) -> SchedulerOutput:
-        output = SchedulerOutput(is_prefill=True)
+    def _schedule_prefill(self) -> StepPlan:
+        output = StepPlan(is_prefill=True)
         budget = self.max_num_batched_tokens
         while self.waiting and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
@@ -100,45 +116,45 @@ class Scheduler:
             num_new = self._admit(request, budget, whole=True, reserve=len(self.running) + extra)
             if not num_new:
                 break
-            output.add(request, num_new)
+            self._plan_add(output, request, num_new)
             budget -= num_new
         return output
 
     # ---- decode ----
 
-    def _schedule_decode(self) -> SchedulerOutput:
-        output = SchedulerOutput(is_prefill=False)
+    def _schedule_decode(self) -> StepPlan:
+        output = StepPlan(is_prefill=False)
         index = 0
         while index < len(self.running):
             request = self.running[index]
             if self._grow_or_preempt(request, output):
-                output.add(request, 1)
+                self._plan_add(output, request, 1)
                 index += 1
         return output
 
-    def _grow_or_preempt(self, request: Request, output: SchedulerOutput) -> bool:
+    def _grow_or_preempt(self, request: Request, output: StepPlan) -> bool:
         """A slot for the request's next token, preempting the most recently admitted running requests until
         there is one; False when the request itself had to go."""
         while not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + 1):
             victim = self.running.pop()
             self._preempt(victim)
-            output.preempted.append(victim)
             if victim is request:
                 return False
         return True
 
     # ---- chunked prefill ----
 
-    def _schedule_chunked(self) -> SchedulerOutput:
-        output = SchedulerOutput(is_prefill=False)
+    def _schedule_chunked(self) -> StepPlan:
+        output = StepPlan(is_prefill=False)
         budget = self.max_num_batched_tokens
+        preempted_before = len(self._preempted)
         index = 0
         while index < len(self.running) and budget > 0:  # decode tokens first, in admission order
             request = self.running[index]
             if request.num_tokens - request.num_computed_tokens == 1:
                 if not self._grow_or_preempt(request, output):
                     continue  # it was the last running request: the loop ends
-                output.add(request, 1)
+                self._plan_add(output, request, 1)
                 budget -= 1
             index += 1
         for request in self.running:  # then the prompts already being prefilled
@@ -147,22 +163,25 @@ class Scheduler:
                 num_new = min(remaining, budget)
                 if not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
                     break  # no room for more prompt tokens this step
-                output.add(request, num_new)
+                self._plan_add(output, request, num_new)
                 output.is_prefill = True
                 budget -= num_new
         # Then new requests, unless this step had to preempt (re-admitting a victim now would only thrash).
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not output.preempted:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs \
+                and len(self._preempted) == preempted_before:
             request = self.waiting[0]
             num_new = self._admit(request, budget, whole=False, reserve=len(self.running))
             if not num_new:
                 break
-            output.add(request, num_new)
+            self._plan_add(output, request, num_new)
             output.is_prefill = True
             budget -= num_new
         return output
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request.request_id)
+        self._sent.pop(request.request_id, None)
+        self._preempted.append(request.request_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -177,3 +196,5 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv_cache.free(request.request_id)
+        self._sent.pop(request.request_id, None)
+        self._left.append(request.request_id)

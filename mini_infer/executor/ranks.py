@@ -1,6 +1,6 @@
 """The ranks of one tensor/pipeline-parallel engine, from rank 0's side, and the loop the other ranks run.
 
-Rank 0 is the engine process: it schedules, broadcasts each step's StepInputs over the control group, runs its
+Rank 0 is the engine process: it schedules, broadcasts each step's StepPlan over the control group, runs its
 own shard and samples. Launched locally, it starts ranks 1..N-1 itself (torch.multiprocessing, spawn), one per
 device; on the CPU the ranks divide the cores between them (each pinned to its share when there are enough).
 Launched torchrun-style (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK set), every rank is started by the user on
@@ -167,8 +167,9 @@ class Ranks:
         """Every rank has loaded its shard."""
         self.guard(dist.barrier, group=self.comm.control)
 
-    def broadcast_step(self, step) -> None:
-        self.guard(dist.broadcast_object_list, [("step", step)], src=0, group=self.comm.control)
+    def broadcast_step(self, plan) -> None:
+        """The step's plan (plain data, small) to every other rank."""
+        self.guard(dist.broadcast_object_list, [("step", plan)], src=0, group=self.comm.control)
 
     def gather_stats(self, own: dict) -> list[dict]:
         self.guard(dist.broadcast_object_list, [("stats", None)], src=0, group=self.comm.control)
@@ -242,7 +243,7 @@ def worker_main(config: EngineConfig, launch: Launch) -> None:
             dist.broadcast_object_list(box, src=0, group=comm.control)
             kind, payload = box[0]
             if kind == "step":
-                runner.forward(payload)
+                runner.execute(payload)
             elif kind == "stats":
                 dist.gather_object(runner.memory_stats(), None, dst=0, group=comm.control)
             else:

@@ -1,79 +1,31 @@
-"""Step inputs and the ModelRunner.
+"""ModelRunner: one rank's shard of the model, its K/V tensors and its persistent input batch.
 
-Rank 0 (the engine) turns a SchedulerOutput into StepInputs: flat tensors built with tensor ops from
-per-request scalars (O(batch) host work); positions continue each request's own absolute positions, and slot
-mappings come from the block-table rows of the KV manager. Every rank's ModelRunner (its shard of the model and
-its K/V tensors) then runs the step: a pipeline stage after the first takes its input from the previous stage,
-and rank 0 ends up with the logits of each request's last position.
+Every rank applies the same StepPlan to its own InputBatch and runs its part of the step: a pipeline stage
+after the first takes its input from the previous stage, and rank 0 ends up with the logits of the requests
+that sample, which its Sampler turns into tokens.
 """
 
 from __future__ import annotations
 
 import resource
-from dataclasses import dataclass
-from itertools import chain
 from pathlib import Path
 
 import torch
+from torch.profiler import record_function
 
 from mini_infer.config import EngineConfig
 from mini_infer.distributed.comm import Comm
-from mini_infer.engine.kv_cache import KVCacheManager
-from mini_infer.engine.scheduler import SchedulerOutput
 from mini_infer.model.attention import AttentionMetadata
 from mini_infer.model.loader import load_model
 from mini_infer.model.ops import select_ops
-
-
-@dataclass(slots=True)
-class StepInputs:
-    """One step's batch description: what rank 0 sends every other rank (CPU tensors, small)."""
-
-    input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
-    slot_mapping: torch.Tensor  # [num_tokens]
-    block_tables: torch.Tensor  # [num_reqs, max_blocks]
-    context_lens: torch.Tensor  # [num_reqs]
-    logits_indices: torch.Tensor  # [num_reqs] the last new token of each request
-    query_start_loc: list[int]
-    context_lens_host: list[int]
-    num_decodes: int  # the leading requests with one new token each (attention runs them as one batch)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.shape[0]
-
-
-def prepare_inputs(scheduled: SchedulerOutput, kv_manager: KVCacheManager) -> StepInputs:
-    requests = scheduled.requests
-    query_lens = torch.tensor(scheduled.num_new_tokens)
-    start_positions = torch.tensor([r.num_computed_tokens for r in requests])
-    rows = torch.tensor([kv_manager.row(r.request_id) for r in requests])
-    if scheduled.is_prefill:
-        new_tokens = (r.token_ids_slice(r.num_computed_tokens, r.num_computed_tokens + n)
-                      for r, n in zip(requests, scheduled.num_new_tokens))
-        input_ids = torch.tensor(list(chain.from_iterable(new_tokens)))
-    else:
-        input_ids = torch.tensor([r.last_token_id for r in requests])
-    query_start_loc = torch.zeros(len(requests) + 1, dtype=torch.int64)
-    torch.cumsum(query_lens, 0, out=query_start_loc[1:])
-    request_of_token = torch.repeat_interleave(torch.arange(len(requests)), query_lens)
-    positions = start_positions[request_of_token] + torch.arange(len(input_ids)) - query_start_loc[request_of_token]
-    context_lens = start_positions + query_lens
-    block_size = kv_manager.block_size
-    max_blocks = int((context_lens.max() + block_size - 1) // block_size)
-    block_tables = kv_manager.block_tables[rows, :max_blocks]
-    slot_mapping = block_tables[request_of_token, positions // block_size] * block_size + positions % block_size
-    multi = (query_lens > 1).nonzero()
-    return StepInputs(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, block_tables=block_tables,
-                      context_lens=context_lens,
-                      logits_indices=(query_start_loc[1:] - 1)[torch.tensor(scheduled.samples, dtype=torch.bool)],
-                      query_start_loc=query_start_loc.tolist(), context_lens_host=context_lens.tolist(),
-                      num_decodes=int(multi[0, 0]) if len(multi) else len(requests))
+from mini_infer.runner.input_batch import InputBatch, StepInputs
+from mini_infer.runner.plan import StepPlan
+from mini_infer.runner.sampler import Sampler, SamplerOutput
 
 
 class ModelRunner:
-    """One rank's shard of the model and the K/V tensors of its layers (its share of the KV heads)."""
+    """One rank's shard of the model, the K/V tensors of its layers (its share of the KV heads) and its batch;
+    rank 0 also samples."""
 
     def __init__(self, config: EngineConfig, num_blocks: int, comm: Comm, device: torch.device) -> None:
         self.config, self.comm, self.device = config, comm, device
@@ -89,6 +41,38 @@ class ModelRunner:
              torch.empty(shape, dtype=config.torch_dtype, device=device))
             for _ in range(shard.num_layers)
         ]
+        self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.max_blocks_per_seq,
+                                      config.block_size)
+        self.sampler = Sampler(mc.vocab_size, device, config.seed) if comm.rank == 0 else None
+
+    def prepare(self, plan: StepPlan) -> StepInputs | None:
+        """Apply the plan to the persistent batch (and the sampler's slots) and build the step's inputs (None
+        when the plan only says who left)."""
+        batch = self.input_batch
+        if self.sampler is not None:
+            for request_id in plan.finished_ids:
+                self.sampler.release(request_id, batch.slots.get(request_id), finished=True)
+            for request_id in plan.preempted_ids:
+                self.sampler.release(request_id, batch.slots.get(request_id), finished=False)
+        gained = batch.update(plan)
+        if self.sampler is not None:
+            for new in plan.new_requests:
+                self.sampler.add(new)
+            self.sampler.append(*_flatten(gained))
+        return batch.prepare(plan) if plan.request_ids else None
+
+    def execute(self, plan: StepPlan) -> SamplerOutput | None:
+        """Run one step; rank 0 returns the sampled tokens of the requests that sample (None if none does)."""
+        with record_function("input_prep"):
+            inputs = self.prepare(plan)
+        if inputs is None:
+            return None
+        with record_function("forward"):
+            logits = self.forward(inputs)
+        if self.sampler is None or not inputs.sampling_slots:
+            return None
+        with record_function("sampling"):
+            return self.sampler(logits, inputs.sampling_slots)
 
     @torch.inference_mode()
     def forward(self, step: StepInputs) -> torch.Tensor | None:
@@ -137,3 +121,12 @@ def _unique_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
                 seen.add(tensor.data_ptr())
                 tensors.append(tensor)
     return tensors
+
+
+def _flatten(gained: list[tuple[int, list[int]]]) -> tuple[list[int], list[int]]:
+    """(slot, tokens) pairs -> one slot per token and the tokens."""
+    slots, tokens = [], []
+    for slot, new in gained:
+        slots += [slot] * len(new)
+        tokens += new
+    return slots, tokens

@@ -1,4 +1,8 @@
-"""Sampler: logits -> next token ids, vectorised over the batch with per-request parameters.
+"""Sampler: logits -> next token ids, vectorised over the batch with per-request parameters held per slot.
+
+Each slot of the persistent batch keeps its request's sampling parameters as tensor rows and, for penalised
+requests, its prompt-token mask and output-token counts, updated as tokens arrive; a step gathers the rows of the
+requests it samples, so its host work is O(batch) whatever the context length.
 
 Order (as in vLLM): min_tokens mask, penalties, greedy argmax; then temperature, min_p, top_k, top_p and a
 draw. A draw is argmax(probs / E) with E ~ Exponential(1), which picks token i with probability probs[i];
@@ -12,7 +16,18 @@ from dataclasses import dataclass
 
 import torch
 
-from mini_infer.engine.request import Request
+from mini_infer.runner.plan import NewRequest
+from mini_infer.sampling_params import SamplingParams
+
+# Per-slot parameter rows: name -> the value a request's SamplingParams gives it.
+_ROWS = {
+    "temperature": lambda p: 1.0 if p.greedy else p.temperature,
+    "min_p": lambda p: p.min_p,
+    "top_p": lambda p: p.top_p,
+    "repetition": lambda p: p.repetition_penalty,
+    "frequency": lambda p: p.frequency_penalty,
+    "presence": lambda p: p.presence_penalty,
+}
 
 
 @dataclass(slots=True)
@@ -27,82 +42,153 @@ class Sampler:
         self.vocab_size = vocab_size
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self._capacity = 0
+        self._rows: dict[str, torch.Tensor] = {}
+        self._top_k = torch.zeros(0, dtype=torch.int64, device=device)
+        self._params: list[SamplingParams | None] = []
+        self._stop_ids: list[tuple[int, ...]] = []  # masked while the slot has fewer than min_tokens outputs
+        self._num_outputs: list[int] = []
+        self._slot_generators: list[torch.Generator | None] = []
+        self._generators: dict[str, torch.Generator] = {}  # seeded requests, kept while preempted
+        # Penalty state, allocated when a penalised request first arrives: [slots, vocab].
+        self._output_counts: torch.Tensor | None = None
+        self._prompt_seen: torch.Tensor | None = None
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    # ---- the batch's slots ----
+
+    def add(self, request: NewRequest) -> None:
+        slot, params = request.slot, request.params
+        self._grow(slot + 1)
+        for name, value in _ROWS.items():
+            self._rows[name][slot] = value(params)
+        self._top_k[slot] = params.top_k if params.top_k > 0 else self.vocab_size
+        self._params[slot] = params
+        self._stop_ids[slot] = tuple(t for t in request.min_tokens_stop_ids if t < self.vocab_size)
+        self._num_outputs[slot] = len(request.token_ids) - request.num_prompt_tokens
+        generator = None
+        if params.seed is not None:
+            generator = self._generators.get(request.request_id)
+            if generator is None:
+                generator = torch.Generator(device=self.device).manual_seed(params.seed)
+                self._generators[request.request_id] = generator
+        self._slot_generators[slot] = generator
+        if params.uses_penalties:
+            self._set_penalty_rows(slot, request)
+
+    def release(self, request_id: str, slot: int | None, finished: bool) -> None:
+        """The request left its slot; a finished one also drops its seeded generator (a preempted one keeps it
+        for when it comes back)."""
+        if slot is not None:
+            self._params[slot] = None
+            self._slot_generators[slot] = None
+        if finished:
+            self._generators.pop(request_id, None)
+
+    def append(self, slots: list[int], token_ids: list[int]) -> None:
+        """Tokens the requests in `slots` gained (their sampled ones)."""
+        for slot in slots:
+            self._num_outputs[slot] += 1
+        if self._output_counts is not None and slots:
+            index = (torch.tensor(slots, device=self.device), torch.tensor(token_ids, device=self.device))
+            self._output_counts.index_put_(index, torch.ones(len(slots), dtype=torch.int32, device=self.device),
+                                           accumulate=True)
+
+    def _grow(self, capacity: int) -> None:
+        if capacity <= self._capacity:
+            return
+        new = max(capacity, 2 * self._capacity, 8)
+        extra = new - self._capacity
+        for name in _ROWS:
+            self._rows[name] = _extend(self._rows.get(name), extra, torch.float64, self.device)
+        self._top_k = _extend(self._top_k, extra, torch.int64, self.device)
+        self._params += [None] * extra
+        self._stop_ids += [()] * extra
+        self._num_outputs += [0] * extra
+        self._slot_generators += [None] * extra
+        if self._output_counts is not None:
+            self._output_counts = _extend(self._output_counts, extra, torch.int32, self.device)
+            self._prompt_seen = _extend(self._prompt_seen, extra, torch.bool, self.device)
+        self._capacity = new
+
+    def _set_penalty_rows(self, slot: int, request: NewRequest) -> None:
+        if self._output_counts is None:
+            shape = (self._capacity, self.vocab_size)
+            self._output_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
+            self._prompt_seen = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        tokens = torch.tensor(request.token_ids, dtype=torch.int64, device=self.device)
+        prompt, output = tokens[: request.num_prompt_tokens], tokens[request.num_prompt_tokens:]
+        self._prompt_seen[slot] = False
+        self._prompt_seen[slot, prompt[prompt < self.vocab_size]] = True
+        self._output_counts[slot] = torch.bincount(output[output < self.vocab_size], minlength=self.vocab_size)
+
+    # ---- sampling ----
+
+    def __call__(self, logits: torch.Tensor, slots: list[int]) -> SamplerOutput:
+        """Sample one token for each row of `logits`, row i belonging to the request in slots[i]."""
+        params = [self._params[s] for s in slots]
         logits = logits[:, : self.vocab_size].to(torch.promote_types(logits.dtype, torch.float32))
         raw_logprobs = None
-        if any(r.params.logprobs is not None for r in requests):
+        if any(p.logprobs is not None for p in params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self._mask_stop_tokens_under_min(logits, requests)
-        if any(r.params.uses_penalties for r in requests):
-            logits = self._apply_penalties(logits, requests)
+        logits = self.mask_stop_tokens_under_min(logits, slots)
+        index = torch.tensor(slots, device=self.device)
+        if any(p.uses_penalties for p in params):
+            logits = self.apply_penalties(logits, slots)
         tokens = logits.argmax(dim=-1)
-        if not all(r.params.greedy for r in requests):
-            tokens = self._sample(logits, tokens, requests)
-        token_list = tokens.tolist()
-        return SamplerOutput(token_list, _gather_logprobs(raw_logprobs, tokens, requests))
+        if not all(p.greedy for p in params):
+            tokens = self._sample(logits, tokens, slots, index, params)
+        return SamplerOutput(tokens.tolist(), _gather_logprobs(raw_logprobs, tokens, params))
 
-    def _mask_stop_tokens_under_min(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def mask_stop_tokens_under_min(self, logits: torch.Tensor, slots: list[int]) -> torch.Tensor:
+        """-inf on the stop token ids of the rows whose requests have fewer than min_tokens outputs."""
         rows, cols = [], []
-        for i, r in enumerate(requests):
-            if r.num_output_tokens < r.params.min_tokens:
-                stop_ids = [t for t in (*r.eos_token_ids, *r.params.stop_token_ids) if t < self.vocab_size]
-                rows.extend([i] * len(stop_ids))
-                cols.extend(stop_ids)
+        for i, slot in enumerate(slots):
+            if self._num_outputs[slot] < self._params[slot].min_tokens:
+                rows.extend([i] * len(self._stop_ids[slot]))
+                cols.extend(self._stop_ids[slot])
         if rows:
             logits = logits.index_put((torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)),
                                       torch.tensor(float("-inf"), dtype=logits.dtype, device=self.device))
         return logits
 
-    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        def column(values):
-            return torch.tensor(values, dtype=logits.dtype, device=self.device)[:, None]
+    def apply_penalties(self, logits: torch.Tensor, slots: list[int]) -> torch.Tensor:
+        """Repetition penalty on tokens of the prompt or the output, presence and frequency on the output."""
+        index = torch.tensor(slots, device=self.device)
 
-        output_counts = self._token_counts([r.output_token_ids for r in requests])
-        prompt_seen = self._token_counts([r.prompt_token_ids for r in requests]) > 0
-        repetition = column([r.params.repetition_penalty for r in requests])
-        seen = prompt_seen | (output_counts > 0)
+        def column(name):
+            return self._rows[name][index].to(logits.dtype)[:, None]
+
+        output_counts = self._output_counts[index].to(logits.dtype)
+        seen = self._prompt_seen[index] | (output_counts > 0)
+        repetition = column("repetition")
         penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
         logits = torch.where(seen, penalised, logits)
-        logits = logits - column([r.params.frequency_penalty for r in requests]) * output_counts
-        return logits - column([r.params.presence_penalty for r in requests]) * (output_counts > 0)
+        logits = logits - column("frequency") * output_counts
+        return logits - column("presence") * (output_counts > 0)
 
-    def _token_counts(self, token_lists: list[list[int]]) -> torch.Tensor:
-        """[batch, vocab] occurrence counts, from one padded tensor (the pad column is dropped)."""
-        width = max(map(len, token_lists), default=0)
-        padded = torch.tensor([t + [self.vocab_size] * (width - len(t)) for t in token_lists],
-                              dtype=torch.int64, device=self.device).view(len(token_lists), width)
-        counts = torch.zeros(len(token_lists), self.vocab_size + 1, device=self.device)
-        counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
-        return counts[:, : self.vocab_size]
-
-    def _sample(self, logits: torch.Tensor, greedy_tokens: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        params = [r.params for r in requests]
+    def _sample(self, logits: torch.Tensor, greedy_tokens: torch.Tensor, slots: list[int], index: torch.Tensor,
+                params: list[SamplingParams]) -> torch.Tensor:
         greedy = torch.tensor([p.greedy for p in params], device=self.device)
-        temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params],
-                                   dtype=logits.dtype, device=self.device)
-        logits = logits / temperature[:, None]
+        logits = logits / self._rows["temperature"][index].to(logits.dtype)[:, None]
         if any(p.min_p > 0 for p in params):
             probs = logits.softmax(dim=-1)
-            min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=self.device)
-            threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+            threshold = probs.amax(dim=-1, keepdim=True) * self._rows["min_p"][index].to(logits.dtype)[:, None]
             logits = logits.masked_fill(probs < threshold, float("-inf"))
         if any(p.top_k > 0 or p.top_p < 1 for p in params):
-            logits = self._top_k_top_p(logits, params)
+            logits = self._top_k_top_p(logits, index)
         probs = logits.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for i, r in enumerate(requests):
-            if r.generator is not None and not r.params.greedy:
-                noise[i].exponential_(generator=r.generator)
+        for i, (slot, p) in enumerate(zip(slots, params)):
+            if self._slot_generators[slot] is not None and not p.greedy:
+                noise[i].exponential_(generator=self._slot_generators[slot])
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, greedy_tokens, sampled)
 
-    def _top_k_top_p(self, logits: torch.Tensor, params) -> torch.Tensor:
+    def _top_k_top_p(self, logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else self.vocab_size for p in params], device=self.device)
         ranks = torch.arange(self.vocab_size, device=self.device)[None, :]
-        drop = ranks >= top_k[:, None]
-        top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=self.device)
+        drop = ranks >= self._top_k[index][:, None]
+        top_p = self._rows["top_p"][index].to(logits.dtype)
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
         # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it already does.
         mass_before = probs.cumsum(dim=-1) - probs
@@ -111,17 +197,24 @@ class Sampler:
         return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def _gather_logprobs(raw_logprobs: torch.Tensor | None, tokens: torch.Tensor, requests: list[Request]):
+def _extend(tensor: torch.Tensor | None, extra: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """`tensor` with `extra` zero rows appended (a new one when None)."""
+    if tensor is None:
+        return torch.zeros(extra, dtype=dtype, device=device)
+    return torch.cat([tensor, torch.zeros((extra, *tensor.shape[1:]), dtype=dtype, device=device)])
+
+
+def _gather_logprobs(raw_logprobs: torch.Tensor | None, tokens: torch.Tensor, params: list[SamplingParams]):
     if raw_logprobs is None:
-        return [None] * len(requests)
+        return [None] * len(params)
     sampled = raw_logprobs.gather(1, tokens[:, None])
     ranks = (raw_logprobs > sampled).sum(dim=-1) + 1
-    num_top = max(r.params.logprobs or 0 for r in requests)
+    num_top = max(p.logprobs or 0 for p in params)
     top_values, top_ids = raw_logprobs.topk(num_top, dim=-1) if num_top else (None, None)
     sampled, ranks = sampled[:, 0].tolist(), ranks.tolist()
     result = []
-    for i, r in enumerate(requests):
-        n = r.params.logprobs
+    for i, p in enumerate(params):
+        n = p.logprobs
         if n is None:
             result.append(None)
             continue

@@ -71,12 +71,12 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, *, api_key: str | 
 
     @app.get("/metrics")
     async def metrics():
-        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(engine.metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request):
         server.authorize(request)
-        config = engine.engine.config
+        config = engine.config
         return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": server.created,
                                             "owned_by": "mini-infer", "root": str(config.model),
                                             "max_model_len": config.max_model_len}]}
@@ -152,7 +152,7 @@ class _Server:
         return await self._generate(request, req, req.prompt, params, _CompletionChoices())
 
     async def chat_completion(self, request: Request, req: ChatCompletionRequest):
-        tokenizer = self.engine.engine.tokenizer
+        tokenizer = self.engine.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
         messages = [m.for_template() for m in req.messages]
@@ -182,7 +182,7 @@ class _Server:
                 "usage": _usage(prompt_tokens, len(token_ids))}
 
     def _sampling_params(self, req, max_tokens: int | None, logprobs: int | None):
-        return req.sampling_params(self.engine.engine.default_sampling_params(), max_tokens, logprobs)
+        return req.sampling_params(self.engine.default_sampling_params(), max_tokens, logprobs)
 
     async def _first_output(self, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
         """Start the request: its first output, or the error that refuses it (then nothing runs): the engine's

@@ -1,0 +1,105 @@
+"""InputBatch: the runner's persistent batch, updated in place from each StepPlan, and the step's flat inputs.
+
+Each request owns a slot: a row of token ids, a row of the block table, and its counts of tokens and of
+computed tokens. A plan adds the rows of new requests once and afterwards only appends what changed, so
+preparing a step is O(batch) host work plus tensor gathers: positions continue each request's own absolute
+positions, and slot mappings come from its block-table row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mini_infer.runner.plan import StepPlan
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's flat inputs (CPU tensors); every rank builds the same from the same plan."""
+
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    slot_mapping: torch.Tensor  # [num_tokens]
+    block_tables: torch.Tensor  # [num_reqs, max_blocks]
+    context_lens: torch.Tensor  # [num_reqs]
+    logits_indices: torch.Tensor  # [num_sampling] the last new token of each request that samples
+    query_start_loc: list[int]
+    context_lens_host: list[int]
+    num_decodes: int  # the leading requests with one new token each (attention runs them as one batch)
+    sampling_slots: list[int]  # the slots of the requests that sample, in logits order
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+class InputBatch:
+    def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_seq: int, block_size: int) -> None:
+        self.block_size = block_size
+        # Uninitialised: a row's pages are committed as its tokens are written.
+        self.token_ids = torch.empty(max_num_seqs, max_model_len, dtype=torch.int64)
+        self.block_table = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int64)
+        self.num_tokens = [0] * max_num_seqs
+        self.num_computed = [0] * max_num_seqs
+        self.num_blocks = [0] * max_num_seqs
+        self.slots: dict[str, int] = {}
+
+    def update(self, plan: StepPlan) -> list[tuple[int, list[int]]]:
+        """Apply the plan's changes; returns (slot, tokens) of the requests that gained tokens."""
+        for request_id in (*plan.finished_ids, *plan.preempted_ids):
+            self.slots.pop(request_id, None)
+        for new in plan.new_requests:
+            slot = self.slots[new.request_id] = new.slot
+            self.token_ids[slot, : len(new.token_ids)] = torch.tensor(new.token_ids)
+            self.num_tokens[slot], self.num_computed[slot] = len(new.token_ids), new.num_computed_tokens
+            self.block_table[slot, : len(new.block_ids)] = torch.tensor(new.block_ids, dtype=torch.int64)
+            self.num_blocks[slot] = len(new.block_ids)
+        gained = [(self.slots[rid], tokens) for rid, tokens in plan.new_token_ids.items()]
+        self._append(gained, self.num_tokens, self.token_ids)
+        self._append([(self.slots[rid], blocks) for rid, blocks in plan.new_block_ids.items()], self.num_blocks,
+                     self.block_table)
+        return gained
+
+    @staticmethod
+    def _append(additions: list[tuple[int, list[int]]], lengths: list[int], table: torch.Tensor) -> None:
+        """Write each slot's new values after its current ones, in one index_put."""
+        rows, cols, values = [], [], []
+        for slot, new in additions:
+            start = lengths[slot]
+            rows += [slot] * len(new)
+            cols += range(start, start + len(new))
+            values += new
+            lengths[slot] = start + len(new)
+        if rows:
+            table.index_put_((torch.tensor(rows), torch.tensor(cols)), torch.tensor(values, dtype=table.dtype))
+
+    def prepare(self, plan: StepPlan) -> StepInputs:
+        """The step's inputs from the batch's rows; counts the scheduled tokens as computed."""
+        slot_list = [self.slots[rid] for rid in plan.request_ids]
+        slots = torch.tensor(slot_list)
+        query_lens = torch.tensor(plan.num_new_tokens)
+        start_positions = torch.tensor([self.num_computed[s] for s in slot_list])
+        query_start_loc = torch.zeros(len(slot_list) + 1, dtype=torch.int64)
+        torch.cumsum(query_lens, 0, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        request_of_token = torch.repeat_interleave(torch.arange(len(slot_list)), query_lens)
+        positions = start_positions[request_of_token] + torch.arange(num_tokens) - query_start_loc[request_of_token]
+        input_ids = self.token_ids[slots[request_of_token], positions]
+        context_lens = start_positions + query_lens
+        max_blocks = int((context_lens.max() + self.block_size - 1) // self.block_size)
+        block_tables = self.block_table[slots, :max_blocks]
+        slot_mapping = (block_tables[request_of_token, positions // self.block_size] * self.block_size
+                        + positions % self.block_size)
+        samples = []
+        for slot, num_new in zip(slot_list, plan.num_new_tokens):
+            self.num_computed[slot] += num_new
+            samples.append(self.num_computed[slot] == self.num_tokens[slot])
+        multi = (query_lens > 1).nonzero()
+        return StepInputs(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
+                          block_tables=block_tables, context_lens=context_lens,
+                          logits_indices=(query_start_loc[1:] - 1)[torch.tensor(samples, dtype=torch.bool)],
+                          query_start_loc=query_start_loc.tolist(), context_lens_host=context_lens.tolist(),
+                          num_decodes=int(multi[0, 0]) if len(multi) else len(slot_list),
+                          sampling_slots=[s for s, sample in zip(slot_list, samples) if sample])

@@ -1,0 +1,44 @@
+"""StepPlan: what the scheduler tells the model runners each step, as plain data (the same small message goes to
+every rank). A request's data travels once, when it enters the batch; after that a step carries only what
+changed: the tokens each request gained since it last ran, its new KV blocks, and who left the batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mini_infer.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequest:
+    """A request entering the batch (admitted, or re-admitted after preemption with its outputs so far)."""
+
+    request_id: str
+    slot: int  # its row in the persistent batch (the KV manager's row of the request)
+    token_ids: list[int]  # prompt, then any output tokens it already has
+    num_prompt_tokens: int
+    num_computed_tokens: int  # tokens whose K/V are cached already (a cached prefix)
+    block_ids: list[int]
+    params: SamplingParams
+    min_tokens_stop_ids: tuple[int, ...]  # ids the sampler masks until min_tokens outputs exist
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One step. `request_ids` is the batch order: requests decoding one token first, then prompt chunks."""
+
+    is_prefill: bool = False  # a prompt (or part of one) is computed in this step
+    request_ids: list[str] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens computed this step, per request
+    new_requests: list[NewRequest] = field(default_factory=list)
+    # Requests already in the batch that gained tokens (their sampled ones) or blocks since they last ran.
+    new_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Requests that left the batch since the last plan: their slots are free again. A finished request's
+    # sampling state goes too; a preempted one keeps its seeded generator for when it comes back.
+    finished_ids: list[str] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
