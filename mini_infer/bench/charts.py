@@ -42,7 +42,7 @@ def chart(path: Path, title: str, panels: list[Panel]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(2 + 4 * sum(p.width for p in panels), 4.5), squeeze=False,
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 + 3 * sum(p.width for p in panels), 4.5), squeeze=False,
                              gridspec_kw={"width_ratios": [p.width for p in panels]})
     for ax, panel in zip(axes[0], panels):
         bar_width = 0.8 / len(panel.series)

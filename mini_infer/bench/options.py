@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from mini_infer.bench.systems import SYSTEM_NAMES as SYSTEMS
@@ -64,9 +64,9 @@ class BenchOptions:
     output_len_range: tuple[int, int]
     batch_size: int
     seed: int
-    parallel: tuple[str, ...] = ()
-    parallel_batch_size: int = 8
-    parallel_new_tokens: int = 128
+    parallel: tuple[str, ...]
+    parallel_batch_size: int
+    parallel_new_tokens: int
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> BenchOptions:
@@ -79,16 +79,14 @@ class BenchOptions:
         for flag in ("--reps", "--parallel-batch-size", "--parallel-new-tokens", "--prompt-len", "--max-new-tokens",
                      "--warmup-tokens", "--num-requests", "--batch-size"):
             at_least_one(flag, reps if flag == "--reps" else getattr(args, flag[2:].replace("-", "_")))
-        return cls(workload=workload, model=args.model, dtype=args.dtype,
-                   systems=tuple(s for s in SYSTEMS if s in systems), reps=reps,
-                   out=Path(args.out) if args.out else Path("bench-results") / time.strftime("%Y%m%d-%H%M%S"),
-                   batch_sizes=tuple(sorted(set(int_list("--batch-sizes", args.batch_sizes)))),
-                   prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens, warmup_tokens=args.warmup_tokens,
-                   num_requests=args.num_requests, input_len_range=_range("--input-len-range", args.input_len_range),
-                   output_len_range=_range("--output-len-range", args.output_len_range),
-                   batch_size=args.batch_size, seed=args.seed,
-                   parallel=_layouts(args.parallel if args.parallel is not None else "single,dp2,tp2,pp2"),
-                   parallel_batch_size=args.parallel_batch_size, parallel_new_tokens=args.parallel_new_tokens)
+        out = Path(args.out) if args.out else Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
+        given = {f.name: getattr(args, f.name) for f in fields(cls)}  # the flags kept as parsed
+        return cls(**{**given, "workload": workload, "reps": reps, "out": out,
+                      "systems": tuple(s for s in SYSTEMS if s in systems),
+                      "batch_sizes": tuple(sorted(set(int_list("--batch-sizes", args.batch_sizes)))),
+                      "input_len_range": _range("--input-len-range", args.input_len_range),
+                      "output_len_range": _range("--output-len-range", args.output_len_range),
+                      "parallel": _layouts(args.parallel if args.parallel is not None else "single,dp2,tp2,pp2")})
 
 
 def parse_layout(name: str) -> dict[str, int]:

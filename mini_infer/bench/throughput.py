@@ -56,10 +56,11 @@ def run_fixed(options: BenchOptions, model_dir: str, log: Callable[[str], None])
 
 def _batch_result(batch_size: int, runs: list[RunResult], expected_tokens: int, roofline_tok_s: float) -> dict:
     tok_s = [run.output_tokens / run.wall_s for run in runs]
+    summary = summarize(tok_s)
     return {"batch_size": batch_size, "expected_output_tokens": expected_tokens,
             "runs": [{"wall_s": run.wall_s, "output_tokens": run.output_tokens, "tok_s": rate}
                      for run, rate in zip(runs, tok_s)],
-            "tok_s": summarize(tok_s), "pct_of_roofline": 100 * summarize(tok_s)["median"] / roofline_tok_s}
+            "tok_s": summary, "pct_of_roofline": 100 * summary["median"] / roofline_tok_s}
 
 
 def _fixed_headline(report: dict) -> list[str]:
