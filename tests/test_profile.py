@@ -61,3 +61,18 @@ def test_profile_refuses_sizes_it_cannot_measure(tiny_model_dir, flags, message)
     args = _parse([*TINY, "--model", str(tiny_model_dir), "--dtype", "float32", *flags])
     with pytest.raises(ValueError, match=message):
         run_profile(args)
+
+
+def test_profile_passes_the_repetition_penalty_to_its_requests(tiny_model_dir, tmp_path, capsys):
+    args = _parse([*TINY, "--model", str(tiny_model_dir), "--dtype", "float32", "--repetition-penalty", "1.3",
+                   "--out", str(tmp_path)])
+    assert run_profile(args) == 0
+    assert "repetition penalty 1.3" in capsys.readouterr().out
+    result = json.loads((tmp_path / "profile.json").read_text())
+    assert result["repetition_penalty"] == 1.3 and result["context_len"] == 9
+    _check_breakdown(result)
+
+
+def test_profile_refuses_a_non_positive_repetition_penalty(tiny_model_dir):
+    with pytest.raises(ValueError, match="--repetition-penalty must be > 0"):
+        run_profile(_parse([*TINY, "--model", str(tiny_model_dir), "--repetition-penalty", "0"]))
