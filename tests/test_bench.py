@@ -11,9 +11,11 @@ import pytest
 
 from mini_infer.bench.hf import left_pad
 from mini_infer.bench.prompts import TEXTS, fixed_prompts, load_stream, random_requests
-from mini_infer.bench.report import percentile
+from mini_infer.bench.options import WORKLOADS
+from mini_infer.bench.report import RunResult, count_output_tokens, percentile
 from mini_infer.bench.roofline import Ceilings, DecodeCost, roofline
-from mini_infer.bench.systems import SYSTEM_NAMES, RunResult, SystemFactory, count_output_tokens
+from mini_infer.bench.run import WORKLOADS as WORKLOAD_REGISTRY
+from mini_infer.bench.systems import SYSTEM_NAMES, SystemFactory
 from mini_infer.config import ModelConfig
 from mini_infer.entrypoints.cli import main
 from mini_infer.factory import PRESETS, parameter_count
@@ -98,6 +100,10 @@ def _fake_config(tie: bool) -> ModelConfig:
     return ModelConfig(hidden_size=4, intermediate_size=8, num_hidden_layers=2, num_attention_heads=2,
                        num_key_value_heads=1, head_dim=2, vocab_size=10, rms_norm_eps=1e-6, rope_theta=1e4,
                        tie_word_embeddings=tie, max_position_embeddings=64, torch_dtype="bfloat16")
+
+
+def test_every_workload_choice_has_its_registry_entry():
+    assert tuple(WORKLOAD_REGISTRY) == WORKLOADS
 
 
 def test_roofline_by_hand():

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import PARITY_CONFIGS, build_hf_model, hf_greedy, save_hf_model
 from mini_infer import LLM, SamplingParams
-from mini_infer.bench.parallel import parse_layout
+from mini_infer.bench.options import parse_layout
 from mini_infer.config import EngineConfig
 from mini_infer.engine.data_parallel import DataParallelEngine
 from mini_infer.distributed.shard import make_shard
@@ -102,8 +102,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("index", range(3))
 def test_parallel_greedy_equals_single_process_and_hf(reference, index):
     name, path, prompts, expected, greedy, seeded = reference
-    layout = parse_layout(LAYOUTS[name][index])
-    llm = LLM(str(path), dtype="float64", block_size=4, **layout.sizes)
+    llm = LLM(str(path), dtype="float64", block_size=4, **parse_layout(LAYOUTS[name][index]))
     try:
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == greedy == expected

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from mini_infer.bench.systems import RunResult
+from mini_infer.bench.report import RunResult
 
 CONTINUOUS_PAGE_SIZE = 256  # transformers' default page size, in tokens
 CONTINUOUS_MAX_BATCH_TOKENS = 1024

@@ -1,16 +1,19 @@
-"""`mini-infer bench` flags, parsed and validated into BenchOptions (a ValueError names the bad flag)."""
+"""`mini-infer bench` flags, parsed and validated into BenchOptions (a ValueError names the bad flag), and the
+parallel layouts (`--parallel tp2pp2`) they name."""
 
 from __future__ import annotations
 
 import argparse
+import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from mini_infer.bench.systems import SYSTEM_NAMES as SYSTEMS
 
 WORKLOADS = ("fixed", "random", "parallel", "shared-prefix", "long-prompt")
 DTYPES = ("bfloat16", "float32")
+_SIZES = {"dp": "data_parallel_size", "tp": "tensor_parallel_size", "pp": "pipeline_parallel_size"}
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -61,39 +64,46 @@ class BenchOptions:
     output_len_range: tuple[int, int]
     batch_size: int
     seed: int
-    parallel: tuple[str, ...] = ()
-    parallel_batch_size: int = 8
-    parallel_new_tokens: int = 128
+    parallel: tuple[str, ...]
+    parallel_batch_size: int
+    parallel_new_tokens: int
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> BenchOptions:
-        systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+        systems = [s.strip() for s in args.systems.split(",") if s.strip()]
         if not systems or any(s not in SYSTEMS for s in systems) or len(set(systems)) != len(systems):
             raise ValueError(f"--systems must be a comma list of distinct names from {', '.join(SYSTEMS)}, "
                              f"got {args.systems!r}")
         workload = "parallel" if args.parallel is not None else args.workload
-        parallel = _layouts(args.parallel if args.parallel is not None else "single,dp2,tp2,pp2")
         reps = args.reps if args.reps is not None else (1 if workload == "random" else 3)
-        for flag, value in (("--reps", reps), ("--parallel-batch-size", args.parallel_batch_size),
-                            ("--parallel-new-tokens", args.parallel_new_tokens), ("--prompt-len", args.prompt_len),
-                            ("--max-new-tokens", args.max_new_tokens), ("--warmup-tokens", args.warmup_tokens),
-                            ("--num-requests", args.num_requests), ("--batch-size", args.batch_size)):
-            at_least_one(flag, value)
+        for flag in ("--reps", "--parallel-batch-size", "--parallel-new-tokens", "--prompt-len", "--max-new-tokens",
+                     "--warmup-tokens", "--num-requests", "--batch-size"):
+            at_least_one(flag, reps if flag == "--reps" else getattr(args, flag[2:].replace("-", "_")))
         out = Path(args.out) if args.out else Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
-        batch_sizes = tuple(sorted(set(int_list("--batch-sizes", args.batch_sizes))))
-        return cls(workload=workload, model=args.model, dtype=args.dtype,
-                   systems=tuple(s for s in SYSTEMS if s in systems), reps=reps, out=out,
-                   batch_sizes=batch_sizes, prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens,
-                   warmup_tokens=args.warmup_tokens,
-                   num_requests=args.num_requests, input_len_range=_range("--input-len-range", args.input_len_range),
-                   output_len_range=_range("--output-len-range", args.output_len_range),
-                   batch_size=args.batch_size, seed=args.seed, parallel=parallel,
-                   parallel_batch_size=args.parallel_batch_size, parallel_new_tokens=args.parallel_new_tokens)
+        given = {f.name: getattr(args, f.name) for f in fields(cls)}  # the flags kept as parsed
+        return cls(**{**given, "workload": workload, "reps": reps, "out": out,
+                      "systems": tuple(s for s in SYSTEMS if s in systems),
+                      "batch_sizes": tuple(sorted(set(int_list("--batch-sizes", args.batch_sizes)))),
+                      "input_len_range": _range("--input-len-range", args.input_len_range),
+                      "output_len_range": _range("--output-len-range", args.output_len_range),
+                      "parallel": _layouts(args.parallel if args.parallel is not None else "single,dp2,tp2,pp2")})
+
+
+def parse_layout(name: str) -> dict[str, int]:
+    """`single`, or sizes such as dp2, tp2, pp2, tp2pp2, as the EngineConfig parallel sizes that differ from 1."""
+    if name == "single":
+        return {}
+    if not re.fullmatch(r"(?:(?:dp|tp|pp)[1-9]\d*)+", name):
+        raise ValueError(f"--parallel takes 'single' or sizes like dp2, tp2, pp2, tp2pp2; got {name!r}")
+    sizes = {}
+    for kind, size in re.findall(r"(dp|tp|pp)(\d+)", name):
+        if _SIZES[kind] in sizes:
+            raise ValueError(f"--parallel: {name!r} gives {kind} twice")
+        sizes[_SIZES[kind]] = int(size)
+    return sizes
 
 
 def _layouts(text: str) -> tuple[str, ...]:
-    from mini_infer.bench.parallel import parse_layout
-
     names = tuple(part.strip() for part in text.split(",") if part.strip())
     if not names or len(set(names)) != len(names):
         raise ValueError(f"--parallel must be a comma list of distinct layouts, got {text!r}")
@@ -111,8 +121,8 @@ def int_list(flag: str, text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise ValueError(f"{flag} must be a comma list of integers >= 1, got {text!r}") from None
-    if any(v < 1 for v in values):
+        values = ()
+    if not values or any(v < 1 for v in values):
         raise ValueError(f"{flag} must be a comma list of integers >= 1, got {text!r}")
     return values
 

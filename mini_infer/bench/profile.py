@@ -1,6 +1,5 @@
-"""`mini-infer profile`: where the time of one decode step at batch B goes, from the engine's
-record_function ranges (input_prep, forward with kv_write / attention / lm_head, sampling, scheduler).
-"""
+"""`mini-infer profile`: where the time of one decode step at batch B goes, from the engine's record_function
+ranges (input_prep, forward with kv_write / attention / lm_head, sampling, scheduler)."""
 
 from __future__ import annotations
 
@@ -12,6 +11,7 @@ from pathlib import Path
 
 from torch.profiler import ProfilerActivity, profile
 
+from mini_infer.bench.report import Column, format_table
 from mini_infer.engine.arg_utils import EngineArgs
 from mini_infer.engine.llm_engine import LLMEngine
 from mini_infer.sampling_params import RequestOutputKind, SamplingParams
@@ -20,6 +20,8 @@ from mini_infer.sampling_params import RequestOutputKind, SamplingParams
 _LABELS = ("scheduler", "input_prep", "forward", "kv_write", "attention", "lm_head", "sampling")
 ROWS = ("input preparation", "KV write", "attention", "rest of forward", "LM head", "sampling",
         "scheduler / bookkeeping", "other")
+OTHER = "other"  # the step time no labelled range covers: the remainder, not a measurement
+COLUMNS = (Column("component", "name"), Column("ms/step", "ms", "{:.3f}"), Column("% step", "percent", "{:.1f}%"))
 
 
 def add_profile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -29,6 +31,8 @@ def add_profile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--decode-steps-before", type=int, default=64,
                         help="decode steps run before timing, so the context is realistic")
     parser.add_argument("--steps", type=int, default=5, help="decode steps measured (the mean is reported)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="the profiled requests' repetition penalty (> 0; 1.0: none, plain greedy)")
     parser.add_argument("--out", default=None, help="directory for profile.json and profile.txt")
     parser.add_argument("--trace", action="store_true", help="also write a Chrome trace (trace.json) to --out")
     EngineArgs.add_cli_args(parser)
@@ -42,14 +46,17 @@ def run_profile(args: argparse.Namespace) -> int:
     if args.data_parallel_size != 1:
         raise ValueError("--data-parallel-size: profile breaks down the decode step of one replica (on rank 0 "
                          "with tensor/pipeline parallelism); run it with --data-parallel-size 1")
+    if not args.repetition_penalty > 0:
+        raise ValueError(f"--repetition-penalty must be > 0, got {args.repetition_penalty}")
     engine = LLMEngine(EngineArgs.from_cli_args(args).create_engine_config())
     out_dir = Path(args.out) if args.out is not None else None
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
     result = profile_decode_step(engine, args.batch_size, prompt_len=args.prompt_len,
                                  decode_steps_before=args.decode_steps_before, steps=args.steps,
+                                 repetition_penalty=args.repetition_penalty,
                                  trace_path=out_dir / "trace.json" if args.trace else None)
-    table = format_table(result)
+    table = profile_table(result)
     print(table)
     if out_dir is not None:
         (out_dir / "profile.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -58,93 +65,94 @@ def run_profile(args: argparse.Namespace) -> int:
 
 
 def profile_decode_step(engine, batch_size: int, *, prompt_len: int = 32, decode_steps_before: int = 64,
-                        steps: int = 5, trace_path: Path | None = None) -> dict:
+                        steps: int = 5, repetition_penalty: float = 1.0, trace_path: Path | None = None) -> dict:
     """Bring `batch_size` requests into decode, time `steps` decode steps plain and then under the profiler,
-    and return the per-step component breakdown (ms and % of the profiled step). The requests are aborted after."""
-    _check_sizes(engine, batch_size, prompt_len, decode_steps_before, steps)
+    and return the per-step breakdown (ms and % of the profiled step). The requests are aborted after."""
+    for name, value, low in (("batch_size", batch_size, 1), ("prompt_len", prompt_len, 1),
+                             ("decode_steps_before", decode_steps_before, 0), ("steps", steps, 1)):
+        if value < low:
+            raise ValueError(f"{name} must be >= {low}, got {value}")
     max_tokens = 1 + decode_steps_before + 2 * steps
-    requests = _start_batch(engine, batch_size, prompt_len, max_tokens)
+    batch = _DecodeBatch(engine, batch_size, prompt_len, max_tokens, repetition_penalty)
     try:
         for _ in range(decode_steps_before):
-            _decode_step(engine, requests)
-        unprofiled = [_decode_step(engine, requests) for _ in range(steps)]
-        context_len = requests[0].num_tokens
+            batch.step()
+        unprofiled = [batch.step() for _ in range(steps)]
+        context_len = batch.context_len()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            profiled = [_decode_step(engine, requests) for _ in range(steps)]
+            profiled = [batch.step() for _ in range(steps)]
     finally:
-        _release(engine, requests)
+        batch.release()
     if trace_path is not None:
         prof.export_chrome_trace(str(trace_path))
     step_ms = 1000 * statistics.fmean(profiled)
+    rows = _component_rows(_label_totals_ms(prof.events(), steps), step_ms)
     config = engine.config
     return {
         "model": str(config.model), "dtype": str(config.torch_dtype).removeprefix("torch."),
         "device": str(config.device), "batch_size": batch_size, "prompt_len": prompt_len,
         "decode_steps_before": decode_steps_before, "context_len": context_len, "steps": steps,
-        "step_ms": step_ms, "unprofiled_step_ms": 1000 * statistics.fmean(unprofiled),
-        "rows": _component_rows(_label_totals_ms(prof.events(), steps), step_ms),
+        "repetition_penalty": repetition_penalty, "step_ms": step_ms,
+        "unprofiled_step_ms": 1000 * statistics.fmean(unprofiled),
+        "measured_ms": sum(row["ms"] for row in rows if row["name"] != OTHER), "rows": rows,
     }
 
 
-def _check_sizes(engine, batch_size: int, prompt_len: int, decode_steps_before: int, steps: int) -> None:
-    for name, value, low in (("batch_size", batch_size, 1), ("prompt_len", prompt_len, 1),
-                             ("decode_steps_before", decode_steps_before, 0), ("steps", steps, 1)):
-        if value < low:
-            raise ValueError(f"{name} must be >= {low}, got {value}")
-    if batch_size > engine.config.max_num_seqs:
-        raise ValueError(f"batch_size ({batch_size}) exceeds max_num_seqs ({engine.config.max_num_seqs}); "
-                         "raise --max-num-seqs")
-    kv = engine.kv_cache
-    needed = batch_size * kv.blocks_for(prompt_len + 1 + decode_steps_before + 2 * steps)
-    if needed > kv.num_blocks:
-        raise ValueError(f"{batch_size} requests of {prompt_len} prompt tokens decoding "
-                         f"{1 + decode_steps_before + 2 * steps} tokens need {needed} KV blocks but the cache has "
-                         f"{kv.num_blocks}; raise --num-kv-blocks / --kv-cache-memory-gb or shrink the batch")
+class _DecodeBatch:
+    """The profiled requests in an LLMEngine: the one place that reads the engine's internals (its requests,
+    scheduler queues and KV cache), to check that every timed step is a decode step of all of them."""
 
+    def __init__(self, engine, batch_size: int, prompt_len: int, max_tokens: int, repetition_penalty: float):
+        if batch_size > engine.config.max_num_seqs:
+            raise ValueError(f"batch_size ({batch_size}) exceeds max_num_seqs ({engine.config.max_num_seqs}); "
+                             "raise --max-num-seqs")
+        kv = engine.kv_cache
+        needed = batch_size * kv.blocks_for(prompt_len + max_tokens)
+        if needed > kv.num_blocks:
+            raise ValueError(f"{batch_size} requests of {prompt_len} prompt tokens decoding {max_tokens} tokens "
+                             f"need {needed} KV blocks but the cache has {kv.num_blocks}; raise --num-kv-blocks / "
+                             "--kv-cache-memory-gb or shrink the batch")
+        if engine.has_unfinished_requests():
+            raise ValueError("profile needs an idle engine; this one has unfinished requests")
+        self.engine, self.scheduler = engine, engine.scheduler
+        params = SamplingParams(temperature=0, repetition_penalty=repetition_penalty, ignore_eos=True,
+                                max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA)
+        vocab = engine.config.model_config.vocab_size
+        self.ids = [f"profile-{i}" for i in range(batch_size)]
+        for i, request_id in enumerate(self.ids):
+            engine.add_request(request_id, [(1000 + 7919 * i + 31 * j) % vocab for j in range(prompt_len)], params)
+        self.requests = [engine.requests[request_id] for request_id in self.ids]
+        for _ in range(batch_size):  # each prefill step admits at least one request unless something is too small
+            if not self.scheduler.waiting:
+                break
+            engine.step()
+        if self.scheduler.waiting or any(r.num_output_tokens != 1 for r in self.requests):
+            self.release()
+            raise ValueError(f"could not bring all {batch_size} requests into the decode phase together; "
+                             "raise --num-kv-blocks / --kv-cache-memory-gb or --max-num-batched-tokens")
 
-def _start_batch(engine, batch_size: int, prompt_len: int, max_tokens: int) -> list:
-    """Add the requests (token-id prompts, greedy) and step until every one has been prefilled."""
-    if engine.has_unfinished_requests():
-        raise ValueError("profile needs an idle engine; this one has unfinished requests")
-    params = SamplingParams(temperature=0, repetition_penalty=1.0, ignore_eos=True, max_tokens=max_tokens,
-                            output_kind=RequestOutputKind.DELTA)
-    vocab = engine.config.model_config.vocab_size
-    for i in range(batch_size):
-        prompt = [(1000 + 7919 * i + 31 * j) % vocab for j in range(prompt_len)]
-        engine.add_request(f"profile-{i}", prompt, params)
-    requests = [engine.requests[f"profile-{i}"] for i in range(batch_size)]
-    for _ in range(batch_size):  # each prefill step admits at least one request unless something is too small
-        if not engine.scheduler.waiting:
-            break
-        engine.step()
-    if engine.scheduler.waiting or any(r.num_output_tokens != 1 for r in requests):
-        _release(engine, requests)
-        raise ValueError(f"could not bring all {batch_size} requests into the decode phase together; "
-                         "raise --num-kv-blocks / --kv-cache-memory-gb or --max-num-batched-tokens")
-    return requests
+    def context_len(self) -> int:
+        return self.requests[0].num_tokens
 
+    def step(self) -> float:
+        """One engine step, checked to be a decode step of exactly these requests; returns its wall time (s)."""
+        scheduler, count = self.scheduler, len(self.requests)
+        if scheduler.waiting or len(scheduler.running) != count:
+            raise ValueError(f"expected a decode step of {count} requests but {len(scheduler.running)} are "
+                             f"running and {len(scheduler.waiting)} waiting (is the KV cache too small?)")
+        before, preemptions = [r.num_output_tokens for r in self.requests], scheduler.num_preemptions
+        start = time.perf_counter()
+        self.engine.step()
+        elapsed = time.perf_counter() - start
+        if scheduler.num_preemptions != preemptions or any(r.num_output_tokens != n + 1
+                                                            for r, n in zip(self.requests, before)):
+            raise ValueError(f"a step was not a decode step of all {count} requests "
+                             "(a request was preempted: the KV cache is too small)")
+        return elapsed
 
-def _release(engine, requests: list) -> None:
-    engine.abort_request([r.request_id for r in requests])
-    engine.step()  # hands back the abort outputs, leaving the engine idle
-
-
-def _decode_step(engine, requests: list) -> float:
-    """One engine step, checked to be a decode step of exactly these requests; returns its wall time (s)."""
-    scheduler = engine.scheduler
-    if scheduler.waiting or len(scheduler.running) != len(requests):
-        raise ValueError(f"expected a decode step of {len(requests)} requests but {len(scheduler.running)} are "
-                         f"running and {len(scheduler.waiting)} waiting (is the KV cache too small?)")
-    before = [r.num_output_tokens for r in requests]
-    preemptions = scheduler.num_preemptions
-    start = time.perf_counter()
-    engine.step()
-    elapsed = time.perf_counter() - start
-    if scheduler.num_preemptions != preemptions or any(r.num_output_tokens != n + 1
-                                                        for r, n in zip(requests, before)):
-        raise ValueError(f"a step was not a decode step of all {len(requests)} requests "
-                         "(a request was preempted: the KV cache is too small)")
-    return elapsed
+    def release(self) -> None:
+        self.engine.abort_request(self.ids)
+        self.engine.step()  # hands back the abort outputs, leaving the engine idle
 
 
 def _label_totals_ms(events, steps: int) -> dict[str, float]:
@@ -158,26 +166,26 @@ def _label_totals_ms(events, steps: int) -> dict[str, float]:
 
 
 def _component_rows(label_ms: dict[str, float], step_ms: float) -> list[dict]:
-    """The table's rows; by construction they add up to the step time."""
+    """The measured ranges (forward split into its labelled parts and the rest), then OTHER: the step time
+    they leave uncovered."""
     forward_parts = label_ms["kv_write"] + label_ms["attention"] + label_ms["lm_head"]
-    top_level = label_ms["input_prep"] + label_ms["forward"] + label_ms["sampling"] + label_ms["scheduler"]
-    values = (label_ms["input_prep"], label_ms["kv_write"], label_ms["attention"],
-              label_ms["forward"] - forward_parts, label_ms["lm_head"], label_ms["sampling"],
-              label_ms["scheduler"], step_ms - top_level)
+    measured = (label_ms["input_prep"], label_ms["kv_write"], label_ms["attention"],
+                label_ms["forward"] - forward_parts, label_ms["lm_head"], label_ms["sampling"], label_ms["scheduler"])
+    values = (*measured, step_ms - sum(measured))
     return [{"name": name, "ms": ms, "percent": 100 * ms / step_ms} for name, ms in zip(ROWS, values)]
 
 
-def format_table(result: dict) -> str:
-    """Plain-text table of the breakdown, with the run's settings and the profiler-overhead caveat."""
+def profile_table(result: dict) -> str:
+    """The breakdown with the run's settings and the profiler-overhead caveat."""
+    penalty = result["repetition_penalty"]
     head = (f"decode step: batch {result['batch_size']}, context {result['context_len']} tokens, "
-            f"{result['dtype']} on {result['device']}, mean of {result['steps']} steps")
-    width = max(len(name) for name in ROWS + ("step total",))
-    lines = [head, "", f"{'component':<{width}}  {'ms/step':>9}  {'% step':>7}", "-" * (width + 20)]
-    for row in result["rows"]:
-        lines.append(f"{row['name']:<{width}}  {row['ms']:>9.3f}  {row['percent']:>6.1f}%")
-    caveat = (f"without the profiler: {result['unprofiled_step_ms']:.3f} ms/step (the profiler's per-op "
-              "recording adds the difference; read the rows as shares of the step)")
-    lines += ["-" * (width + 20), f"{'step total':<{width}}  {result['step_ms']:>9.3f}  {100.0:>6.1f}%", "", caveat]
+            f"{result['dtype']} on {result['device']}, mean of {result['steps']} steps"
+            + (f", repetition penalty {penalty:g}" if penalty != 1.0 else ""))
+    total = {"name": "step total", "ms": result["step_ms"], "percent": 100.0}
+    lines = [head, "", format_table(COLUMNS, [*result["rows"], None, total]), "",
+             f"{OTHER}: the step time outside the labelled ranges (step total minus the rows above it)",
+             f"without the profiler: {result['unprofiled_step_ms']:.3f} ms/step (the profiler's per-op recording "
+             "adds the difference; read the rows as shares of the step)"]
     if result["device"] != "cpu":
         lines.append("CPU-side ranges only: asynchronous accelerator work is counted where the host waits for it")
     return "\n".join(lines)

@@ -1,5 +1,5 @@
-"""What a benchmark report holds besides its measurements: the machine, the versions, summary statistics, and
-the plain-text table printed on the terminal."""
+"""What every bench report shares: a system's run result, summary statistics, the machine and versions, and
+the one table printer (rows are dicts, columns name the key they show)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import json
 import os
 import platform
 import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
@@ -15,24 +17,33 @@ import torch
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
+def count_output_tokens(token_ids: Sequence[Sequence[int]]) -> int:
+    """Generated tokens over all requests: the number of generated ids each request returned."""
+    return sum(len(ids) for ids in token_ids)
+
+
+@dataclass(slots=True)
+class RunResult:
+    token_ids: list[list[int]]  # each request's generated ids, in submission order
+    finish_s: list[float]  # each request's finish time, in seconds after the run started
+    wall_s: float
+
+    @property
+    def output_tokens(self) -> int:
+        return count_output_tokens(self.token_ids)
+
+
 def machine_info() -> dict:
-    """CPU model, cores, torch's thread count, the CPU flags that decide low-precision matmul speed, and the
-    load average (call it before the measurements)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    fields = {}
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
+    """CPU model, cores, torch's threads, the CPU flags that decide low-precision matmul speed, and the load
+    average (call it before the measurements: other busy processes slow every system down)."""
+    cpuinfo, fields = Path("/proc/cpuinfo"), {}
+    for line in cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []:
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
     flags = set(fields.get("flags", "").split())
-    return {
-        "cpu_model": fields.get("model name") or platform.processor() or platform.machine(),
-        "cpu_cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "cpu_flags": {flag: flag in flags for flag in CPU_FLAGS},
-        # Other busy processes slow every system down, HF's OpenMP-threaded ops the most.
-        "load_average_1m": os.getloadavg()[0],
-    }
+    return {"cpu_model": fields.get("model name") or platform.processor() or platform.machine(),
+            "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "cpu_flags": {flag: flag in flags for flag in CPU_FLAGS}, "load_average_1m": os.getloadavg()[0]}
 
 
 def describe_machine(machine: dict) -> str:
@@ -40,15 +51,17 @@ def describe_machine(machine: dict) -> str:
             f"load average {machine['load_average_1m']:.2f} at start")
 
 
-def versions() -> dict:
-    from mini_infer import __version__
-
-    try:  # from the installed metadata: reading the version must not import transformers
-        transformers_version = metadata.version("transformers")
+def _installed(package: str) -> str | None:
+    """From the installed metadata: reading transformers' version must not import it."""
+    try:
+        return metadata.version(package)
     except metadata.PackageNotFoundError:
-        transformers_version = None
+        return None
+
+
+def versions() -> dict:
     return {"python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers_version, "mini_infer": __version__}
+            "transformers": _installed("transformers"), "mini_infer": _installed("mini-infer")}
 
 
 def summarize(values: list[float]) -> dict:
@@ -64,15 +77,54 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def format_table(headers: list[str], rows: list[list[str]]) -> str:
-    """Columns padded to their widest cell; the first column left-aligned, the others right-aligned."""
-    widths = [max(len(str(row[i])) for row in [headers, *rows]) for i in range(len(headers))]
+def speedup(value: float, base: float | None) -> float | None:
+    return value / base if base else None
 
-    def line(cells) -> str:
-        return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths)))
 
-    return "\n".join([line(headers), "  ".join("-" * w for w in widths), *map(line, rows)])
+@dataclass(frozen=True, slots=True)
+class Column:
+    """A table column: its header, the row key it shows (None: the whole row), a str.format spec for the value,
+    and a scale applied to a numeric value first (1e3 for seconds shown as ms)."""
+
+    header: str
+    key: str | None
+    fmt: str = "{}"
+    scale: float = 1.0
+
+    def cell(self, row: dict) -> str:
+        """Blank where the row lacks the key, "-" where its value is None."""
+        if self.key is not None and self.key not in row:
+            return ""
+        value = row if self.key is None else row[self.key]
+        if value is None:
+            return "-"
+        return self.fmt.format(value * self.scale if self.scale != 1 else value)
+
+
+def format_table(columns: Sequence[Column], rows: Sequence[dict | None]) -> str:
+    """Columns padded to their widest cell, the first left-aligned and the others right-aligned; a None row is
+    a rule, and a column blank in every row is left out."""
+    cells = [None if row is None else [c.cell(row) for c in columns] for row in rows]
+    keep = [i for i in range(len(columns)) if any(r is not None and r[i] for r in cells)]
+    table = [[columns[i].header for i in keep]] + [r if r is None else [r[i] for i in keep] for r in cells]
+    widths = [max(len(r[j]) for r in table if r is not None) for j in range(len(keep))]
+    rule = "  ".join("-" * w for w in widths)
+    lines = [rule if r is None else "  ".join(c.ljust(w) if j == 0 else c.rjust(w)
+                                              for j, (c, w) in enumerate(zip(r, widths))) for r in table]
+    return "\n".join([lines[0], rule, *lines[1:]])
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """A `bench --workload`: run(options, model_dir, log) measures and returns the report's body; its table is
+    headline(report) (the machine's line goes after the first line), then `columns` over rows(report); chart(report)
+    gives the PNG's title and panels."""
+
+    run: Callable
+    headline: Callable[[dict], list[str]]
+    columns: tuple[Column, ...]
+    rows: Callable[[dict], list[dict]]
+    chart: Callable[[dict], tuple[str, list]]
 
 
 def write_json(path: Path, report: dict) -> None:

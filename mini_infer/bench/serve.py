@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mini_infer.bench.options import at_least_one, int_list
-from mini_infer.bench.report import format_table, percentile
+from mini_infer.bench.report import Column, format_table, percentile, write_json
 
 QWEN25_REGULAR_TOKENS = 151643  # ids below this are Qwen2.5's BPE tokens (the special tokens follow)
 
@@ -194,35 +194,28 @@ def _stats(seconds: list[float]) -> dict | None:
             "p99": percentile(ms, 99)}
 
 
+STAT = "{0[mean]:.0f}/{0[p50]:.0f}/{0[p90]:.0f}/{0[p99]:.0f}"
+COLUMNS = (Column("clients", "max_concurrency"), Column("done", "completed"), Column("failed", "failed"),
+           Column("req/s", "request_throughput", "{:.2f}"), Column("out tok/s", "output_tok_s", "{:.1f}"),
+           Column("total tok/s", "total_tok_s", "{:.1f}"),
+           *(Column(f"{metric.upper()} mean/p50/p90/p99 ms", f"{metric}_ms", STAT)
+             for metric in ("ttft", "tpot", "itl", "e2e")))
+
+
 def format_report(report: dict) -> str:
     config = report["config"]
     rate = "inf" if math.isinf(config["request_rate"]) else f"{config['request_rate']:g}/s"
     lines = [f"{config['base_url']} model {config['model']}: {config['num_prompts']} requests per level, prompts "
              f"~{config['input_len']} and outputs ~{config['output_len']} tokens (±{config['range_ratio']:.0%}, "
-             f"seed {config['seed']}), request rate {rate}", ""]
-    headers = ["clients", "done", "failed", "req/s", "out tok/s", "total tok/s"]
-    for metric in ("ttft", "tpot", "itl", "e2e"):
-        headers += [f"{metric.upper()} mean/p50/p90/p99 ms"]
-    rows = []
-    for level in report["levels"]:
-        row = [str(level["max_concurrency"]), str(level["completed"]), str(level["failed"]),
-               f"{level['request_throughput']:.2f}", f"{level['output_tok_s']:.1f}", f"{level['total_tok_s']:.1f}"]
-        for metric in ("ttft", "tpot", "itl", "e2e"):
-            s = level[f"{metric}_ms"]
-            row.append("-" if s is None else "/".join(f"{s[k]:.0f}" for k in ("mean", "p50", "p90", "p99")))
-        rows.append(row)
-    lines.append(format_table(headers, rows))
-    for level in report["levels"]:
-        for error in level["errors"]:
-            lines.append(f"concurrency {level['max_concurrency']} error: {error}")
+             f"seed {config['seed']}), request rate {rate}", "", format_table(COLUMNS, report["levels"])]
+    lines += [f"concurrency {level['max_concurrency']} error: {error}" for level in report["levels"]
+              for error in level["errors"]]
     return "\n".join(lines)
 
 
 def run_bench_serve(args: argparse.Namespace, log=None) -> dict:
     """Parse the flags, run every concurrency level one after another, print (and write) the report."""
     import httpx
-
-    from mini_infer.bench.report import write_json
 
     log = log or (lambda message: print(f"[bench-serve] {message}", flush=True))
     options = ServeOptions.from_args(args)

@@ -1,32 +1,36 @@
-"""The fixed workload: per batch size B, B real-text prompts of the same length, each generating the same number
-of tokens; each system's output tokens/s against the decode roofline measured on this machine."""
+"""The workloads that compare the systems: fixed (per batch size B, B real-text prompts of one length, output
+tokens/s against the decode roofline measured on this machine) and random (requests of random input and output
+lengths submitted at once; throughput and request latency, finish time minus the common submit time)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
+from mini_infer.bench.charts import Panel, Series
 from mini_infer.bench.options import BenchOptions
-from mini_infer.bench.prompts import fixed_prompts, load_stream
-from mini_infer.bench.report import describe_machine, format_table, summarize
-from mini_infer.bench.roofline import Ceilings, DecodeCost, RooflinePoint, measure_ceilings, roofline
-from mini_infer.bench.systems import Case, RunResult, SystemFactory, SystemRecord, run_systems
+from mini_infer.bench.prompts import fixed_prompts, load_stream, random_requests
+from mini_infer.bench.report import Column, RunResult, Workload, percentile, speedup, summarize
+from mini_infer.bench.roofline import Ceilings, DecodeCost, measure_ceilings, roofline
+from mini_infer.bench.systems import Case, SystemFactory, run_systems
 from mini_infer.config import ModelConfig
 
 BASELINE = "hf-generate"
+RANDOM_WARMUP_REQUESTS, RANDOM_WARMUP_PROMPT_LEN, RANDOM_WARMUP_OUTPUT_LEN = 2, 16, 8
+PROMPT_SOURCE = "slices of the built-in English texts' token stream, at seeded random offsets"
+VS_BASELINE = Column("vs hf-generate", "speedup_vs_hf_generate", "{:.2f}x")
 
 
 def run_fixed(options: BenchOptions, model_dir: str, log: Callable[[str], None]) -> dict:
-    """Measure the ceilings, then every system over every batch size; returns the report."""
-    stream = load_stream(model_dir)
-    new_tokens, warmup_tokens = options.max_new_tokens, min(options.warmup_tokens, options.max_new_tokens)
+    stream, new_tokens = load_stream(model_dir), options.max_new_tokens
+    warmup_tokens = min(options.warmup_tokens, new_tokens)
     cases = []
     for batch_size in options.batch_sizes:
         prompts = fixed_prompts(stream, batch_size, options.prompt_len)
-        cases.append(Case(f"B={batch_size}", prompts, [new_tokens] * batch_size,
-                          prompts, [warmup_tokens] * batch_size))
+        cases.append(Case(f"B={batch_size}", prompts, [new_tokens] * batch_size, prompts, [warmup_tokens] * batch_size))
     dtype = getattr(torch, options.dtype)
     log(f"measuring the machine's ceilings ({options.dtype} matmul, memory read)")
     ceilings = measure_ceilings(dtype)
@@ -34,63 +38,131 @@ def run_fixed(options: BenchOptions, model_dir: str, log: Callable[[str], None])
     factory = SystemFactory(model_dir, options.dtype, max_requests=max(options.batch_sizes),
                             max_seq_len=options.prompt_len + new_tokens)
     records = run_systems(factory, list(options.systems), cases, options.reps, log)
-    return fixed_report(options, model_dir, ceilings, cost, records)
-
-
-def fixed_report(options: BenchOptions, model_dir: str, ceilings: Ceilings, cost: DecodeCost,
-                 records: dict[str, SystemRecord]) -> dict:
     points = {b: roofline(cost, ceilings, b) for b in options.batch_sizes}
-    systems = {}
-    for name, record in records.items():
-        results = [_batch_result(b, record.runs[f"B={b}"], b * options.max_new_tokens, points[b])
-                   for b in options.batch_sizes] if record.reason is None else []
-        systems[name] = {"reason": record.reason, "results": results}
-    baseline = {r["batch_size"]: r["tok_s"]["median"] for r in systems.get(BASELINE, {}).get("results", [])}
+    systems = {name: {"reason": record["reason"],
+                      "results": [_batch_result(b, record["runs"][f"B={b}"], b * new_tokens, points[b].tok_s)
+                                  for b in options.batch_sizes] if record["reason"] is None else []}
+               for name, record in records.items()}
+    base = {r["batch_size"]: r["tok_s"]["median"] for r in systems.get(BASELINE, {}).get("results", [])}
     for system in systems.values():
         for result in system["results"]:
-            base = baseline.get(result["batch_size"])
-            result["speedup_vs_hf_generate"] = result["tok_s"]["median"] / base if base else None
+            result["speedup_vs_hf_generate"] = speedup(result["tok_s"]["median"], base.get(result["batch_size"]))
     config = {"model": model_dir, "dtype": options.dtype, "systems": list(options.systems), "reps": options.reps,
               "batch_sizes": list(options.batch_sizes), "prompt_len": options.prompt_len,
-              "max_new_tokens": options.max_new_tokens, "warmup_tokens": options.warmup_tokens}
-    return {"workload": "fixed", "config": config,
-            "ceilings": asdict(ceilings), "decode_cost": asdict(cost),
+              "max_new_tokens": new_tokens, "warmup_tokens": options.warmup_tokens}
+    return {"workload": "fixed", "config": config, "ceilings": asdict(ceilings), "decode_cost": asdict(cost),
             "roofline": [asdict(p) for p in points.values()], "systems": systems}
 
 
-def _batch_result(batch_size: int, runs: list[RunResult], expected_tokens: int, point: RooflinePoint) -> dict:
+def _batch_result(batch_size: int, runs: list[RunResult], expected_tokens: int, roofline_tok_s: float) -> dict:
     tok_s = [run.output_tokens / run.wall_s for run in runs]
     summary = summarize(tok_s)
     return {"batch_size": batch_size, "expected_output_tokens": expected_tokens,
             "runs": [{"wall_s": run.wall_s, "output_tokens": run.output_tokens, "tok_s": rate}
                      for run, rate in zip(runs, tok_s)],
-            "tok_s": summary, "pct_of_roofline": 100 * summary["median"] / point.tok_s}
+            "tok_s": summary, "pct_of_roofline": 100 * summary["median"] / roofline_tok_s}
 
 
-def fixed_table(report: dict) -> str:
-    """The report as a system x batch size table, preceded by the setting and the ceilings."""
+def _fixed_headline(report: dict) -> list[str]:
     config, ceilings = report["config"], report["ceilings"]
-    raw = ", ".join(f"{dtype} {rate:.1f}" for dtype, rate in ceilings["matmul_gflops"].items())
-    lines = [f"{config['model']} ({config['dtype']}), {config['prompt_len']} prompt + {config['max_new_tokens']} "
-             f"new tokens per request, {config['reps']} reps", describe_machine(report["machine"]),
-             f"ceilings: compute {ceilings['compute_peak_gflops']:.1f} GFLOP/s ({ceilings['compute_peak_source']} "
-             f"matmul; measured {raw}), memory read {ceilings['read_gbs']:.1f} GB/s; a decode step reads "
-             f"{report['decode_cost']['weight_bytes'] / 1e6:.0f} MB of weights", ""]
+    measured = ", ".join(f"{dtype} {rate:.1f}" for dtype, rate in ceilings["matmul_gflops"].items())
+    return [f"{config['model']} ({config['dtype']}), {config['prompt_len']} prompt + {config['max_new_tokens']} "
+            f"new tokens per request, {config['reps']} reps",
+            f"ceilings: compute {ceilings['compute_peak_gflops']:.1f} GFLOP/s ({ceilings['compute_peak_source']} "
+            f"matmul; measured {measured}), memory read {ceilings['read_gbs']:.1f} GB/s; a decode step reads "
+            f"{report['decode_cost']['weight_bytes'] / 1e6:.0f} MB of weights"]
+
+
+def _fixed_rows(report: dict) -> list[dict]:
+    """Per batch size the roofline, then every system that ran."""
     rows = []
     for point in report["roofline"]:
-        batch_size = point["batch_size"]
-        rows.append([f"roofline ({point['bound']})", batch_size, f"{point['tok_s']:.1f}", "", "100%", ""])
-        for name, system in report["systems"].items():
-            for result in system["results"]:
-                if result["batch_size"] == batch_size:
-                    rows.append(_row(name, result))
-    lines.append(format_table(["system", "batch", "tok/s", "min-max", "% roofline", "vs hf-generate"], rows))
-    lines += [f"{name}: skipped ({system['reason']})" for name, system in report["systems"].items()
-              if system["reason"] is not None]
-    return "\n".join(lines)
+        rows.append({"system": f"roofline ({point['bound']})", "batch_size": point["batch_size"],
+                     "tok_s": {"median": point["tok_s"]}, "pct_of_roofline": 100})
+        rows += [{"system": name, **result, "spread": result["tok_s"]} for name, system in report["systems"].items()
+                 for result in system["results"] if result["batch_size"] == point["batch_size"]]
+    return rows
 
 
-def _row(name: str, result: dict) -> list:
-    tok_s, speedup = result["tok_s"], result["speedup_vs_hf_generate"]
-    return [name, result["batch_size"], f"{tok_s['median']:.1f}", f"{tok_s['min']:.1f}-{tok_s['max']:.1f}",
-            f"{result['pct_of_roofline']:.0f}%", f"{speedup:.2f}x" if speedup is not None else "-"]
+def _fixed_chart(report: dict) -> tuple[str, list[Panel]]:
+    """Each system's median with its min-max against batch size, the roofline dashed at every batch size in
+    the range (so that its knee shows)."""
+    config, sizes = report["config"], report["config"]["batch_sizes"]
+    cost, ceilings = DecodeCost(**report["decode_cost"]), Ceilings(**report["ceilings"])
+    line = [roofline(cost, ceilings, b) for b in range(sizes[0], sizes[-1] + 1)]
+    series = [Series("roofline", [p.tok_s for p in line], x=[p.batch_size for p in line], style="k--")]
+    series += [Series.spread(name, [r["tok_s"] for r in s["results"]], x=[r["batch_size"] for r in s["results"]])
+               for name, s in report["systems"].items() if s["results"]]
+    return (f"{Path(config['model']).name}, {config['dtype']}, {config['prompt_len']} prompt + "
+            f"{config['max_new_tokens']} new tokens, {report['machine']['torch_threads']} threads",
+            [Panel("output tokens / s", sizes, series, lines=True, xlabel="batch size")])
+
+
+def run_random(options: BenchOptions, model_dir: str, log: Callable[[str], None]) -> dict:
+    """Every system serves the same seeded requests."""
+    requests = random_requests(load_stream(model_dir), options.num_requests, options.input_len_range,
+                               options.output_len_range, options.seed)
+    warmup = [p[:RANDOM_WARMUP_PROMPT_LEN] for p in requests.prompts[:RANDOM_WARMUP_REQUESTS]]
+    case = Case("random", requests.prompts, requests.output_lens, warmup, [RANDOM_WARMUP_OUTPUT_LEN] * len(warmup))
+    factory = SystemFactory(model_dir, options.dtype, max_requests=options.num_requests,
+                            max_seq_len=max(len(p) + n for p, n in zip(requests.prompts, requests.output_lens)),
+                            static_batch_size=options.batch_size)
+    records = run_systems(factory, list(options.systems), [case], options.reps, log)
+    prompt_tokens = sum(len(p) for p in case.prompts)
+    systems = {}
+    for name, record in records.items():
+        runs = [_random_metrics(run, prompt_tokens) for run in record["runs"].get("random", [])]
+        summary = {key: summarize([run[key] for run in runs])
+                   for key in ("output_tok_s", "total_tok_s", "latency_p50_s", "latency_p99_s")} if runs else None
+        systems[name] = {"reason": record["reason"], "runs": runs, "summary": summary}
+    base = (systems.get(BASELINE) or {}).get("summary")
+    for summary in (s["summary"] for s in systems.values() if s["summary"] is not None):
+        summary["speedup_vs_hf_generate"] = speedup(summary["output_tok_s"]["median"],
+                                                    base and base["output_tok_s"]["median"])
+    config = {"model": model_dir, "dtype": options.dtype, "systems": list(options.systems), "reps": options.reps,
+              "num_requests": options.num_requests, "input_len_range": list(options.input_len_range),
+              "output_len_range": list(options.output_len_range), "hf_generate_batch_size": options.batch_size,
+              "seed": options.seed, "prompt_source": PROMPT_SOURCE}
+    return {"workload": "random", "config": config,
+            "requests": {"prompt_tokens": prompt_tokens, "output_tokens": sum(case.output_lens),
+                         "input_lens": [len(p) for p in case.prompts], "output_lens": list(case.output_lens)},
+            "systems": systems}
+
+
+def _random_metrics(run: RunResult, prompt_tokens: int) -> dict:
+    return {"wall_s": run.wall_s, "output_tokens": run.output_tokens, "output_tok_s": run.output_tokens / run.wall_s,
+            "total_tok_s": (prompt_tokens + run.output_tokens) / run.wall_s,
+            "latency_p50_s": percentile(run.finish_s, 50), "latency_p99_s": percentile(run.finish_s, 99),
+            "latencies_s": list(run.finish_s)}
+
+
+def _random_headline(report: dict) -> list[str]:
+    config, requests = report["config"], report["requests"]
+    return [f"{config['model']} ({config['dtype']}), {config['num_requests']} requests submitted at once: "
+            f"{requests['prompt_tokens']} prompt + {requests['output_tokens']} output tokens (input lengths "
+            f"U{config['input_len_range']}, output U{config['output_len_range']}, seed {config['seed']}); "
+            f"hf-generate runs static batches of {config['hf_generate_batch_size']}, {config['reps']} reps"]
+
+
+def _random_chart(report: dict) -> tuple[str, list[Panel]]:
+    """Output tokens/s per system, beside request latency p50 and p99."""
+    ran = {name: s["summary"] for name, s in report["systems"].items() if s["summary"] is not None}
+    names, config = list(ran), report["config"]
+    median = {key: [ran[n][key]["median"] for n in names] for key in ("output_tok_s", "latency_p50_s", "latency_p99_s")}
+    return (f"random workload: {config['num_requests']} requests, {Path(config['model']).name}, {config['dtype']}",
+            [Panel("output tokens / s", names, [Series("output tok/s", median["output_tok_s"])]),
+             Panel("request latency (s)", names, [Series("p50", median["latency_p50_s"]),
+                                                  Series("p99", median["latency_p99_s"])])])
+
+
+FIXED = Workload(run_fixed, _fixed_headline, (
+    Column("system", "system"), Column("batch", "batch_size"), Column("tok/s", "tok_s", "{0[median]:.1f}"),
+    Column("min-max", "spread", "{0[min]:.1f}-{0[max]:.1f}"), Column("% roofline", "pct_of_roofline", "{:.0f}%"),
+    VS_BASELINE), _fixed_rows, _fixed_chart)
+RANDOM = Workload(run_random, _random_headline, (
+    Column("system", "system"), Column("output tok/s", "output_tok_s", "{0[median]:.1f}"),
+    Column("total tok/s", "total_tok_s", "{0[median]:.1f}"),
+    Column("p50 latency s", "latency_p50_s", "{0[median]:.2f}"),
+    Column("p99 latency s", "latency_p99_s", "{0[median]:.2f}"), VS_BASELINE),
+    lambda report: [{"system": name, **s["summary"]} for name, s in report["systems"].items() if s["summary"]],
+    _random_chart)
