@@ -10,6 +10,8 @@ from mini_infer.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+# Far outside this range, float32 logits divided or multiplied by the penalty overflow or vanish.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 1e6
 
 
 class RequestOutputKind(Enum):
@@ -60,7 +62,8 @@ class SamplingParams:
         _check(_is_int(self.top_k) and (self.top_k >= -1), "top_k",
                "must be -1 or 0 (off) or an integer >= 1", self.top_k)
         _check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
-        _check(self.repetition_penalty > 0, "repetition_penalty", "must be > 0", self.repetition_penalty)
+        _check(MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY, "repetition_penalty",
+               f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}]", self.repetition_penalty)
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]", self.presence_penalty)
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]", self.frequency_penalty)
         _check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64), "seed",

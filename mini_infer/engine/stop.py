@@ -33,8 +33,10 @@ def find_stop_string(detokenizer: IncrementalDetokenizer, num_new_chars: int) ->
     stops, text = detokenizer.stop_strings, detokenizer.output_text
     if not stops or not num_new_chars:
         return None
-    search_from = max(0, len(text) - num_new_chars - (max(map(len, stops)) - 1))
-    hits = [(i, s) for s in stops if (i := text.find(s, search_from)) >= 0]
+    # Each string may begin at most len(s) - 1 characters before the new ones: a short one finishing earlier
+    # (before min_tokens allowed stopping, say) is not this step's.
+    new_from = len(text) - num_new_chars
+    hits = [(i, s) for s in stops if (i := text.find(s, max(0, new_from - len(s) + 1))) >= 0]
     if not hits:
         return None
     index, stop = min(hits)

@@ -61,7 +61,8 @@ class Sampler:
         self._grow(slot + 1)
         for name, value in _ROWS.items():
             self._rows[name][slot] = value(params)
-        self._top_k[slot] = params.top_k if params.top_k > 0 else self.vocab_size
+        # A top_k past the vocabulary (even past int64) keeps every token, as vLLM clamps it.
+        self._top_k[slot] = min(params.top_k, self.vocab_size) if params.top_k > 0 else self.vocab_size
         self._params[slot] = params
         self._stop_ids[slot] = tuple(t for t in request.min_tokens_stop_ids if t < self.vocab_size)
         self._num_outputs[slot] = len(request.token_ids) - request.num_prompt_tokens
@@ -181,6 +182,8 @@ class Sampler:
         for i, (slot, p) in enumerate(zip(slots, params)):
             if self._slot_generators[slot] is not None and not p.greedy:
                 noise[i].exponential_(generator=self._slot_generators[slot])
+        # exponential_ can return 0.0, and p / 0 would make any token, even one of probability 0, the argmax.
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, greedy_tokens, sampled)
 
@@ -193,6 +196,7 @@ class Sampler:
         # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it already does.
         mass_before = probs.cumsum(dim=-1) - probs
         drop |= mass_before >= top_p[:, None]
+        drop[:, 0] = False  # the most likely token always stays, even where top_p rounds to 0 in this dtype
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
