@@ -103,7 +103,8 @@ def init_process_groups(config: EngineConfig, rank: int, world_size: int, init_m
     if tp > 1:
         reason = shm_unavailable_reason(tp_group, device)
         if reason is None:
-            comm.shm_all_reduce = ShmAllReduce(tp_group, shard.tp_rank, tp, leader=rank - shard.tp_rank)
+            comm.shm_all_reduce = ShmAllReduce(tp_group, shard.tp_rank, tp, leader=rank - shard.tp_rank,
+                                               timeout_s=timeout_s)
             comm.tp_all_reduce = "shared memory"
         else:
             comm.tp_all_reduce = f"{backend} ({reason})"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -23,14 +24,19 @@ import torch.distributed as dist
 from mini_infer.kernels import cpu
 
 SLOT_BYTES = 4 << 20  # per rank and buffer; larger tensors go through in chunks
+MAX_RANKS = 64  # the kernel's table of slots (shm_allreduce.cpp: sum_slots)
 _LINE = 64
 SHM_DIR = Path("/dev/shm")
 
 
 class ShmAllReduce:
-    def __init__(self, group, rank: int, world: int, leader: int) -> None:
-        """rank: this process's index in the group; leader: the group's first global rank (creates the file)."""
-        self.rank, self.world = rank, world
+    def __init__(self, group, rank: int, world: int, leader: int, timeout_s: float = 300.0) -> None:
+        """rank: this process's index in the group; leader: the group's first global rank (creates the file);
+        timeout_s: how long a call may wait for a peer that is alive but silent (stopped, say)."""
+        if world > MAX_RANKS:
+            raise ValueError(f"the shared-memory all-reduce takes at most {MAX_RANKS} ranks, got {world}")
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self._waiting_since: float | None = None
         nbytes = (world + 1) * _LINE + 2 * world * SLOT_BYTES
         box = [None]
         if rank == 0:
@@ -54,8 +60,15 @@ class ShmAllReduce:
         self._watchdog.start()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rounds = cpu.shm_allreduce(self.segment, self.rank, self.world, SLOT_BYTES, self.seq, x)
+        self._waiting_since = time.monotonic()
+        try:
+            rounds = cpu.shm_allreduce(self.segment, self.rank, self.world, SLOT_BYTES, self.seq, x)
+        finally:
+            self._waiting_since = None
         if rounds < 0:
+            if self.gone is None:
+                raise RuntimeError(f"shared-memory all-reduce aborted: a tensor-parallel peer did not answer within "
+                                   f"{self.timeout_s:g} s (a stopped process, or one of this rank's peers timed out)")
             raise RuntimeError(f"shared-memory all-reduce aborted: the process of a tensor-parallel peer "
                                f"(pid {self.gone}) has exited")
         self.seq += rounds
@@ -65,7 +78,13 @@ class ShmAllReduce:
         self._stop.set()
 
     def _watch(self, peers: list[int]) -> None:
+        """Abort the segment when a peer's process has exited, or when this rank has waited past the timeout
+        (the kernel call releases the GIL, so this thread runs while it spins)."""
         while not self._stop.wait(0.1):
+            since = self._waiting_since
+            if since is not None and time.monotonic() - since > self.timeout_s:
+                self._abort.fill_(1)
+                return
             for pid in peers:
                 if not _alive(pid):
                     self.gone = pid
@@ -93,5 +112,7 @@ def shm_unavailable_reason(group, device: torch.device) -> str | None:
         return f"ranks on {len(set(names))} machines"
     if not SHM_DIR.is_dir():
         return f"no {SHM_DIR}"
+    if len(names) > MAX_RANKS:
+        return f"more than {MAX_RANKS} ranks"
     reason = cpu.unavailable_reason()
     return f"native kernels unavailable: {reason}" if reason else None

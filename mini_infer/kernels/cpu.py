@@ -92,9 +92,23 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
     """q [R, H, D], one query per request, over the first context_lens[r] cached tokens -> [R, H, D]."""
     num_reqs, heads, head_dim = q.shape
-    _, block_size, kv_heads, _ = k_cache.shape
+    num_blocks, block_size, kv_heads, cache_head_dim = k_cache.shape
     if q.dtype not in DTYPES or k_cache.dtype not in DTYPES or heads % kv_heads:
         raise ValueError(f"cpu attention: q {q.dtype} with {heads} heads, cache {k_cache.dtype} with {kv_heads}")
+    # The kernel indexes raw memory: anything out of shape or range would read outside the caches.
+    if (v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype or cache_head_dim != head_dim
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or block_tables.shape[0] != num_reqs or context_lens.shape != (num_reqs,)):
+        raise ValueError(f"cpu attention: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} (contiguous: "
+                         f"{k_cache.is_contiguous()}, {v_cache.is_contiguous()}), q {tuple(q.shape)}, block tables "
+                         f"{tuple(block_tables.shape)}, context lens {tuple(context_lens.shape)}")
+    if num_reqs:
+        shortest, longest = (int(v) for v in torch.aminmax(context_lens))
+        lowest, highest = (int(v) for v in torch.aminmax(block_tables))
+        if shortest < 1 or longest > block_tables.shape[1] * block_size or lowest < 0 or highest >= num_blocks:
+            raise ValueError(f"cpu attention: context lengths in [{shortest}, {longest}] (must be in [1, "
+                             f"{block_tables.shape[1] * block_size}]), block ids in [{lowest}, {highest}] (must be "
+                             f"in [0, {num_blocks - 1}])")
     q = q.contiguous()
     block_tables = block_tables.to(torch.int64).contiguous()
     context_lens = context_lens.to(torch.int64).contiguous()
