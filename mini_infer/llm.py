@@ -62,10 +62,12 @@ class LLM:
                 request_id = str(next(self._request_counter))
                 self.engine.add_request(request_id, prompt, params)
                 request_ids.append(request_id)
-        except ValueError as e:
+        except BaseException as e:
             # The batch fails as a whole, before any of it runs; the engine keeps nothing of it.
             self.engine.abort_request(request_ids)
-            raise ValueError(f"prompt {len(request_ids)}: {e}") from e
+            if isinstance(e, ValueError):
+                raise ValueError(f"prompt {len(request_ids)}: {e}") from e
+            raise
         return request_ids
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -111,3 +111,26 @@ def test_decode_attention_matches_float64(dtype, heads, kv_heads, head_dim, bloc
     expected = reference_decode_attention(q, k_cache, v_cache, block_tables, context_lens)
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bfloat16: the output is rounded to 8 mantissa bits
     torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
+
+
+def _attention_inputs():
+    k_cache = torch.randn(6, 4, 1, 8)
+    return torch.randn(2, 2, 8), k_cache, k_cache.clone(), torch.tensor([[0, 1], [2, 3]]), torch.tensor([3, 8])
+
+
+@pytest.mark.parametrize("spoil, message", [
+    (lambda a: a.update(k=a["k"].transpose(0, 1).contiguous().transpose(0, 1)), "contiguous"),
+    (lambda a: a.update(v=a["v"][:, :, :, :4].contiguous()), "caches"),
+    (lambda a: a.update(lens=torch.tensor([0, 8])), "context lengths in \\[0, 8\\]"),
+    (lambda a: a.update(lens=torch.tensor([3, 9])), "context lengths in \\[3, 9\\]"),
+    (lambda a: a.update(tables=torch.tensor([[0, 1], [2, 6]])), "block ids in \\[0, 6\\]"),
+    (lambda a: a.update(tables=torch.tensor([[-1, 1], [2, 3]])), "block ids in \\[-1, 3\\]"),
+    (lambda a: a.update(lens=torch.tensor([3, 8, 1])), "context lens"),
+])
+def test_decode_attention_refuses_inputs_that_would_read_outside_the_caches(spoil, message):
+    q, k, v, tables, lens = _attention_inputs()
+    args = dict(q=q, k=k, v=v, tables=tables, lens=lens)
+    cpu.paged_decode_attention(*args.values())  # the unspoilt inputs run
+    spoil(args)
+    with pytest.raises(ValueError, match=message):
+        cpu.paged_decode_attention(*args.values())

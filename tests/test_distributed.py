@@ -365,6 +365,8 @@ def test_server_over_data_parallel_replicas(tiny_model_dir):
             os.kill(replica.pid, signal.SIGKILL)
             replica.join(10)
             assert httpx.get(server.url + "/health").status_code == 503
+            # /health asks from the event loop's thread: it reports, and leaves stopping to the engine's thread.
+            assert engine.engine.replicas[0].process.is_alive()
     finally:
         engine.shutdown()
     assert descendants(os.getpid()) == []
@@ -497,3 +499,52 @@ def test_shared_memory_all_reduce_raises_when_a_peer_process_is_gone():
                 p.kill()
     seconds, message = outcome.split(" s: ")
     assert float(seconds) < 5 and "tensor-parallel peer" in message and f"pid {processes[1].pid}" in message
+
+
+def _shm_peer_stops(rank: int, port: int, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from mini_infer.distributed.shm import ShmAllReduce
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    reduce = ShmAllReduce(dist.group.WORLD, rank, 2, leader=0, timeout_s=1.0)
+    reduce(torch.ones(4))
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # alive, but never answers again
+    start = time.monotonic()
+    try:
+        reduce(torch.ones(4))
+        results.put("returned")
+    except RuntimeError as e:
+        results.put(f"{time.monotonic() - start:.1f} s: {e}")
+
+
+def test_shared_memory_all_reduce_times_out_on_a_stopped_peer():
+    """A peer that is alive but stopped (SIGSTOP) would keep the watchdog's liveness check happy forever: the
+    wait times out instead, like the gloo path's collectives."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    processes = [context.Process(target=_shm_peer_stops, args=(r, port, results)) for r in range(2)]
+    for p in processes:
+        p.start()
+    try:
+        outcome = results.get(timeout=60)
+    finally:
+        for p in processes:
+            p.kill()
+            p.join(10)
+    seconds, message = outcome.split(" s: ")
+    assert 1.0 <= float(seconds) < 10 and "did not answer within 1 s" in message
+
+
+def test_shared_memory_all_reduce_refuses_more_ranks_than_its_table():
+    from mini_infer.distributed.shm import MAX_RANKS, ShmAllReduce
+
+    with pytest.raises(ValueError, match=f"at most {MAX_RANKS} ranks"):
+        ShmAllReduce(None, 0, MAX_RANKS + 1, leader=0)

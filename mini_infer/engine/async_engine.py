@@ -52,6 +52,7 @@ class AsyncLLMEngine:
         self._config = engine.config
         self._tokenizer = engine.tokenizer
         self._default_params = engine.default_sampling_params()
+        self._processor = engine.processor  # its tokenize() only reads the tokenizer and the config
         self.error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # touched by the engine thread only
@@ -98,6 +99,8 @@ class AsyncLLMEngine:
         Leaving early (break, cancellation, aclose) aborts the request."""
         self._check_alive()
         loop = asyncio.get_running_loop()
+        # Tokenized here, on a worker thread: a long text would otherwise hold every stream up on the engine's.
+        prompt = await loop.run_in_executor(None, self._processor.tokenize, prompt)
         stream = _Stream(loop, asyncio.Queue())
         added = loop.create_future()
         params = replace(params, output_kind=RequestOutputKind.DELTA)
@@ -170,7 +173,9 @@ class AsyncLLMEngine:
              added: asyncio.Future) -> None:
         try:
             self.engine.add_request(request_id, prompt, params)
-        except ValueError as e:
+        except Exception as e:  # noqa: BLE001 - refused (ValueError) or failed: this request alone, the engine serves on
+            if not isinstance(e, ValueError):
+                logger.exception("adding request %r failed; the engine serves on", request_id)
             stream.loop.call_soon_threadsafe(_settle, added, e)
             return
         self._streams[request_id] = stream

@@ -31,7 +31,7 @@ from mini_infer.engine.detokenizer import load_tokenizer
 from mini_infer.engine.input_processor import InputProcessor, PromptType
 from mini_infer.engine.llm_engine import LLMEngine
 from mini_infer.errors import InvalidRequestError, WorkerDiedError
-from mini_infer.outputs import RequestOutput
+from mini_infer.outputs import CompletionOutput, RequestOutput
 from mini_infer.sampling_params import SamplingParams
 
 
@@ -95,7 +95,7 @@ class DataParallelEngine:
         return self.processor.default_sampling_params()
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
-        self.check_health()
+        self._check_replicas()
         if request_id in self._owner:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use by an unfinished request",
                                       "request_id")
@@ -116,7 +116,7 @@ class DataParallelEngine:
 
     def step(self) -> list[RequestOutput]:
         """The outputs the replicas produced since the last call; waits for some while requests are unfinished."""
-        self.check_health()
+        self._check_replicas()
         outputs: list[RequestOutput] = []
         self._drain(outputs, block=bool(self._owner))
         return outputs
@@ -143,16 +143,31 @@ class DataParallelEngine:
         return [r.load for r in self.replicas]
 
     def check_health(self) -> None:
+        """Raise WorkerDiedError if the engine has failed or a replica has exited; changes nothing, so any thread
+        may ask (the thread that steps the engine stops the other replicas when it next steps)."""
         if self._failure is not None:
             raise WorkerDiedError(f"the engine has stopped: {self._failure}")
+        dead = self._dead_replica()
+        if dead is not None:
+            raise WorkerDiedError(f"{dead}; the engine cannot serve")
+
+    def _dead_replica(self) -> str | None:
         for index, replica in enumerate(self.replicas):
             if replica.process.exitcode is not None:
-                self._fail(f"data-parallel replica {index} (pid {replica.process.pid}) exited with code "
-                           f"{replica.process.exitcode}")
+                return (f"data-parallel replica {index} (pid {replica.process.pid}) exited with code "
+                        f"{replica.process.exitcode}")
+        return None
+
+    def _check_replicas(self) -> None:
+        """check_health, stopping the other replicas first if one is gone."""
+        dead = self._dead_replica() if self._failure is None else None
+        if dead is not None:
+            self._fail(dead)
+        self.check_health()
 
     def memory_stats(self) -> list[dict]:
         """Per rank of every replica (see LLMEngine.memory_stats), each tagged with its replica."""
-        self.check_health()
+        self._check_replicas()
         for index in range(len(self.replicas)):
             self._send(index, ("stats",))
         outputs: list[RequestOutput] = []  # outputs arriving meanwhile are not lost: they wait for step()
@@ -173,7 +188,7 @@ class DataParallelEngine:
         try:
             self.replicas[index].conn.send(message)
         except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
-            self.check_health()
+            self._check_replicas()
             self._fail(f"data-parallel replica {index} stopped taking requests")
 
     def _drain(self, outputs: list[RequestOutput], block: bool) -> None:
@@ -193,7 +208,7 @@ class DataParallelEngine:
             for handle in ready:  # a sentinel fires a moment before its process can be reaped
                 if handle in sentinels:
                     self.replicas[sentinels[handle]].process.join(5.0)
-            self.check_health()
+            self._check_replicas()
             block = False
 
     def _handle(self, index: int, outputs: list[RequestOutput]) -> None:
@@ -252,7 +267,7 @@ def _replica_main(config: EngineConfig, index: int, count: int, conn: Connection
         conn.send(("error", f"{type(e).__name__}: {e}"))
         sys.exit(1)
     conn.send(("ready", None))
-    last_seq, aborted = -1, False
+    last_seq, aborted, refused = -1, False, []
     try:
         while True:
             idle = not engine.has_unfinished_requests() and not aborted
@@ -261,7 +276,7 @@ def _replica_main(config: EngineConfig, index: int, count: int, conn: Connection
                 idle = False
                 if message[0] == "add":
                     _, last_seq, request_id, prompt, params = message
-                    engine.add_request(request_id, prompt, params)
+                    refused += _add_or_refuse(engine, request_id, prompt, params)
                 elif message[0] == "abort":
                     engine.abort_request(message[1])
                     aborted = True
@@ -270,8 +285,8 @@ def _replica_main(config: EngineConfig, index: int, count: int, conn: Connection
                 else:
                     engine.shutdown()
                     return
-            if engine.has_unfinished_requests() or aborted:
-                outputs = engine.step()
+            if engine.has_unfinished_requests() or aborted or refused:
+                outputs, refused = refused + engine.step(), []
                 aborted = False
                 conn.send(("outputs", (outputs, engine.scheduler_state(), _outstanding(engine), last_seq)))
     except (EOFError, BrokenPipeError, ConnectionResetError):  # the router's process is gone
@@ -282,6 +297,19 @@ def _replica_main(config: EngineConfig, index: int, count: int, conn: Connection
             conn.send(("error", str(e) if isinstance(e, WorkerDiedError) else f"{type(e).__name__}: {e}"))
         finally:
             sys.exit(1)
+
+
+def _add_or_refuse(engine: LLMEngine, request_id: str, prompt: dict, params: SamplingParams) -> list[RequestOutput]:
+    """Add the request; if this replica refuses it (the router checks everything first, so it should not), that
+    request alone ends, aborted, and the replica serves on."""
+    try:
+        engine.add_request(request_id, prompt, params)
+    except ValueError as e:
+        print(f"mini-infer replica: refused request {request_id!r}: {e}", file=sys.stderr)
+        refused = CompletionOutput(index=0, text="", token_ids=[], finish_reason="abort")
+        return [RequestOutput(request_id, prompt.get("prompt"), list(prompt.get("prompt_token_ids", [])),
+                              [refused], finished=True)]
+    return []
 
 
 def _outstanding(engine: LLMEngine) -> int:

@@ -6,6 +6,7 @@ fails at once, in the caller, with an InvalidRequestError naming the field and i
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -49,8 +50,27 @@ class InputProcessor:
         params = params if params is not None else self.default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}", "params")
+        if params.stop_strings and self.tokenizer is None:
+            raise InvalidRequestError("SamplingParams.stop needs a tokenizer; this model directory has none", "stop")
         text, token_ids = self._tokenize(prompt)
         return text, token_ids, params, self._check_lengths(len(token_ids), params)
+
+    def tokenize(self, prompt: PromptType) -> PromptType:
+        """A text prompt as {"prompt": text, "prompt_token_ids": ids}, which process() takes without tokenizing
+        again (so a server can tokenize off the engine's thread); other prompts as they are."""
+        if isinstance(prompt, dict) and set(prompt) == {"prompt"}:
+            prompt = prompt["prompt"]
+        if not isinstance(prompt, str) or self.tokenizer is None:
+            return prompt
+        text, token_ids = self._tokenize(prompt)
+        return {"prompt": text, "prompt_token_ids": token_ids}
+
+    @functools.cached_property
+    def _max_prompt_chars(self) -> int:
+        """More characters than this never fit max_model_len tokens: no token spells more than the longest
+        vocabulary entry, and normalisation at most doubles a text (a generous bound)."""
+        longest = max(map(len, self.tokenizer.get_vocab()))
+        return 2 * longest * self.config.max_model_len
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         text = None
@@ -66,6 +86,10 @@ class InputProcessor:
             if self.tokenizer is None:
                 raise InvalidRequestError(f"text prompts need a tokenizer and {self.config.model} has no "
                                           "tokenizer.json; pass token ids instead", "prompt")
+            check_text(prompt, "prompt")
+            if len(prompt) > self.config.max_model_len and len(prompt) > self._max_prompt_chars:
+                raise InvalidRequestError(f"prompt has {len(prompt)} characters, more than max_model_len "
+                                          f"({self.config.max_model_len}) tokens can ever hold", "prompt")
             text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
         elif isinstance(prompt, (list, tuple)):
             token_ids = list(prompt)
@@ -100,6 +124,16 @@ class InputProcessor:
                                       f"{blocks} KV blocks but the whole cache has {self.num_kv_blocks} "
                                       f"(block_size {block_size})", "max_tokens")
         return max_tokens
+
+
+def check_text(text: str, field: str) -> None:
+    """Refuse a string that is not Unicode text (a lone surrogate, which JSON's \\ud800 escapes can carry): the
+    tokenizer would fail on it with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(f"{field} is not valid Unicode text: {e.reason} at character {e.start} "
+                                  f"({text[e.start:e.end]!a})", field) from None
 
 
 def _read_generation_config(model_dir: Path) -> dict:

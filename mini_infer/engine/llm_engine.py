@@ -79,8 +79,6 @@ class LLMEngine:
                                       "request_id")
         text, token_ids, params, max_tokens = self.processor.process(prompt, params)
         detokenizer = IncrementalDetokenizer(self.tokenizer, params) if self.tokenizer is not None else None
-        if params.stop_strings and detokenizer is None:
-            raise InvalidRequestError("SamplingParams.stop needs a tokenizer; this model directory has none", "stop")
         request = Request(
             request_id=request_id, prompt=text, prompt_token_ids=token_ids, params=params, max_tokens=max_tokens,
             eos_token_ids=frozenset() if params.ignore_eos else self.processor.eos_token_ids,

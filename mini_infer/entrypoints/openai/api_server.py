@@ -16,7 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -42,14 +42,23 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": _ERROR_TYPES.get(self.status, "error"),
                           "param": self.param, "code": self.status}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+    def response(self) -> Response:
+        # ASCII-escaped: a message may quote client input, and a lone surrogate in it cannot be encoded as UTF-8.
+        return Response(json.dumps(self.body()), status_code=self.status, media_type="application/json")
+
+
+def _check_api_key(api_key: str | None) -> str | None:
+    """An empty key would turn auth on with a secret that `Authorization: Bearer ` matches: refuse it."""
+    if api_key is not None and not api_key.strip():
+        raise ValueError("--api-key (or $MINI_INFER_API_KEY) is empty: give a non-empty key, or unset it to serve "
+                         "without authentication")
+    return api_key
 
 
 def build_app(engine: AsyncLLMEngine, served_model_name: str, *, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="mini-infer", docs_url=None, redoc_url=None, openapi_url=None)
-    server = _Server(engine, served_model_name, api_key, max_body_bytes)
+    server = _Server(engine, served_model_name, _check_api_key(api_key), max_body_bytes)
 
     @app.exception_handler(APIError)
     async def _api_error(_request, error: APIError):
@@ -118,8 +127,8 @@ class _Server:
         except ValidationError as e:
             raise _validation_error(e) from None
         if parsed.model is not None and parsed.model != self.model_name:
-            raise APIError(404, f"the model '{parsed.model}' does not exist; this server serves "
-                                f"'{self.model_name}'", "model")
+            raise APIError(404, f"the model {parsed.model!a} does not exist; this server serves "
+                                f"{self.model_name!a}", "model")
         if not self.engine.healthy:
             raise APIError(500, f"the engine is not running: {self.engine.error!r}")
         try:
@@ -139,7 +148,7 @@ class _Server:
             chunks.append(chunk)
         try:
             body = json.loads(b"".join(chunks))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (ValueError, RecursionError) as e:  # bad JSON or UTF-8; an int over 4,300 digits; nesting too deep
             raise APIError(400, f"the request body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
@@ -168,7 +177,10 @@ class _Server:
         """Run the request: an SSE response when it streams, else the whole response body."""
         request_id = f"{choices.id_prefix}-{uuid.uuid4().hex}"
         outputs = self.engine.generate(request_id, prompt, params)
-        first = await self._first_output(outputs)
+        # Watched from the start: a client gone before its first token must not have its prompt prefilled.
+        first = await _unless_disconnected(request, self._first_output(outputs))
+        if first is None:
+            return Response(status_code=499)
         meta = dict(id=request_id, created=int(time.time()), model=self.model_name)
         if req.stream:
             return _SSEResponse(_events(outputs, first, {**meta, "object": choices.chunk_object}, req.include_usage,
@@ -434,7 +446,7 @@ def run_server(args) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     model_dir = engine_args.resolved_model()
     name = args.served_model_name or args.model or Path(model_dir).name
-    api_key = args.api_key if args.api_key is not None else os.environ.get("MINI_INFER_API_KEY")
+    api_key = _check_api_key(args.api_key if args.api_key is not None else os.environ.get("MINI_INFER_API_KEY"))
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     engine_args.model = model_dir
     engine = AsyncLLMEngine(engine_args.create_engine(), EngineMetrics(name))

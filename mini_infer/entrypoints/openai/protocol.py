@@ -11,16 +11,20 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from mini_infer.engine.input_processor import check_text
 from mini_infer.errors import InvalidRequestError
 from mini_infer.sampling_params import SamplingParams
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)  # no "true" for true, no 1 for true
+
     include_usage: bool = False
 
 
 class _SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Strict: JSON's own types only ("10" is not an integer, true is not 1); an integer still fills a float field.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None  # None: the served model
     temperature: float | None = None  # None: the model's generation_config.json, as vLLM does
@@ -85,19 +89,23 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: passed to the chat template
+    model_config = ConfigDict(extra="allow", strict=True)  # name, tool_call_id, ...: passed to the chat template
 
     role: str
     content: str | list[dict[str, Any]] | None = None
 
     def for_template(self) -> dict:
         message = self.model_dump(exclude_none=True)
+        for value in message.values():
+            if isinstance(value, str):
+                check_text(value, "messages")
         if isinstance(self.content, list):  # text parts only
             texts = []
             for part in self.content:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise InvalidRequestError("only text content parts ({'type': 'text', 'text': ...}) are "
                                               "supported", "messages")
+                check_text(part["text"], "messages")
                 texts.append(part["text"])
             message["content"] = "".join(texts)
         return message
