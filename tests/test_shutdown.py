@@ -20,6 +20,7 @@ import pytest
 from conftest import descendants, processes
 from mini_infer import LLMEngine, SamplingParams
 from mini_infer.engine.async_engine import AsyncLLMEngine, EngineShutdownError
+from mini_infer.entrypoints.cli import main
 
 LONG = dict(max_tokens=4000, ignore_eos=True)  # far longer than any test waits
 
@@ -53,6 +54,12 @@ def test_shutdown_fails_open_streams_and_queued_adds(tiny_model_dir):
             await anext(engine.generate("late", "hi", SamplingParams(max_tokens=2)))
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+@pytest.mark.parametrize("value", ["-1", "nan"])
+def test_negative_shutdown_timeout_is_refused_by_name(tiny_model_dir, value, capsys):
+    assert main(["serve", "--model", str(tiny_model_dir), "--shutdown-timeout", value]) == 2
+    assert f"--shutdown-timeout must be >= 0, got {float(value)}" in capsys.readouterr().err
 
 
 def _free_port() -> int:
