@@ -51,9 +51,6 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, *, api_key: str | 
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="mini-infer", docs_url=None, redoc_url=None, openapi_url=None)
     server = _Server(engine, served_model_name, api_key, max_body_bytes)
-    app.state.drain = Drain()  # what shutdown.serve waits on, and tells to refuse new requests
-    app.add_middleware(DrainMiddleware, drain=app.state.drain,
-                       refusal=lambda: APIError(503, "the server is shutting down").response())
 
     @app.exception_handler(APIError)
     async def _api_error(_request, error: APIError):
@@ -93,6 +90,9 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, *, api_key: str | 
     async def chat_completions(request: Request):
         return await server.handle(request, ChatCompletionRequest, server.chat_completion)
 
+    app.state.drain = Drain()  # what shutdown.serve waits on, and tells to refuse new requests
+    app.add_middleware(DrainMiddleware, drain=app.state.drain,
+                       refusal=lambda: APIError(503, "the server is shutting down").response())
     return app
 
 
