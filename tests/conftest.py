@@ -1,4 +1,5 @@
-"""Shared fixtures: random-weight Qwen2 checkpoints written by HF transformers, every tensor perturbed."""
+"""Shared fixtures: random-weight Qwen2 checkpoints written by HF transformers, every tensor perturbed; the
+processes under a pid, from /proc (what a test checks is left behind)."""
 
 from __future__ import annotations
 
@@ -71,6 +72,35 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     ids = torch.tensor([prompt])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, len(prompt):].tolist()
+
+
+def processes() -> list[tuple[int, str, int, int, bytes]]:
+    """(pid, state, parent pid, process group, command line) of every process /proc lists."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmdline = f.read()
+            except OSError:
+                continue
+            found.append((int(entry), fields[0], int(fields[1]), int(fields[2]), cmdline))
+    return found
+
+
+def descendants(root: int) -> list[int]:
+    """Every live process under `root`, bar multiprocessing's resource tracker (it leaves with its parent)."""
+    parents = {pid: ppid for pid, state, ppid, _, cmdline in processes()
+               if state != "Z" and b"resource_tracker" not in cmdline}
+    found, frontier = [], [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent]
+        found += children
+        frontier += children
+    return found
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import PARITY_CONFIGS, build_hf_model, hf_greedy, save_hf_model
+from conftest import PARITY_CONFIGS, build_hf_model, descendants, hf_greedy, processes, save_hf_model
 from mini_infer import LLM, SamplingParams
 from mini_infer.bench.options import parse_layout
 from mini_infer.config import EngineConfig
@@ -29,36 +29,6 @@ PROMPT_LENGTHS = [1, 7, 33, 100, 5, 16]
 MAX_NEW_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=8, ignore_eos=True)
-
-
-def _processes() -> list[tuple[int, str, int, int, bytes]]:
-    """(pid, state, parent pid, process group, command line) of every process /proc lists."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    cmdline = f.read()
-            except OSError:
-                continue
-            found.append((int(entry), fields[0], int(fields[1]), int(fields[2]), cmdline))
-    return found
-
-
-def descendants(root: int) -> list[int]:
-    """Every live process under `root`, bar multiprocessing's resource tracker (it leaves with its parent)."""
-    parents = {pid: ppid for pid, state, ppid, _, cmdline in _processes()
-               if state != "Z" and b"resource_tracker" not in cmdline}
-    found, frontier = [], [root]
-    while frontier:
-        parent = frontier.pop()
-        children = [pid for pid, ppid in parents.items() if ppid == parent]
-        found += children
-        frontier += children
-    return found
-
 
 _REFERENCES: dict[str, tuple] = {}
 
@@ -226,7 +196,7 @@ def test_ctrl_c_stops_every_process(tiny_model_dir):
 
 
 def _group_members(pgid: int) -> list[int]:
-    return [pid for pid, state, _, group, _ in _processes() if group == pgid and state != "Z"]
+    return [pid for pid, state, _, group, _ in processes() if group == pgid and state != "Z"]
 
 
 def test_torchrun_style_launch_runs_rank_1_as_mini_infer_worker(untied_reference, monkeypatch):

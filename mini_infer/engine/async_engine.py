@@ -4,12 +4,13 @@ The thread owns the engine: requests are added and aborted through a command que
 so no caller ever waits on a forward pass, and every step's outputs go to the callers' asyncio queues. A
 caller that stops reading (a client that disconnects) aborts its request; its KV blocks return at the next
 step boundary. If a step raises, the engine is dead: every open request fails with EngineDeadError and new
-ones are refused.
+ones are refused; shutdown() fails them with its subclass EngineShutdownError.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -31,6 +32,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped on an exception; nothing more can run on this engine."""
 
 
+class EngineShutdownError(EngineDeadError):
+    """The engine was shut down (the server is stopping) while the request was open, or before it came."""
+
+
 @dataclass(slots=True)
 class _Stream:
     """Where the engine thread delivers one request's outputs (or the exception that ends it)."""
@@ -39,7 +44,13 @@ class _Stream:
     queue: asyncio.Queue
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        self.call(self.queue.put_nowait, item)
+
+    def call(self, callback, *args) -> None:
+        """Run `callback(*args)` on the caller's event loop, unless that loop has closed (nobody is left to
+        tell, and raising here would kill the engine thread)."""
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(callback, *args)
 
 
 class AsyncLLMEngine:
@@ -54,6 +65,7 @@ class AsyncLLMEngine:
         self._default_params = engine.default_sampling_params()
         self._processor = engine.processor  # its tokenize() only reads the tokenizer and the config
         self.error: BaseException | None = None
+        self._ended: EngineDeadError | None = None  # set by the engine thread before it fails what is left
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # touched by the engine thread only
         self._thread = threading.Thread(target=self._run, name="mini-infer-engine", daemon=True)
@@ -105,7 +117,9 @@ class AsyncLLMEngine:
         added = loop.create_future()
         params = replace(params, output_kind=RequestOutputKind.DELTA)
         self._commands.put(("add", request_id, prompt, params, stream, added))
-        if not self.healthy:  # died before it could take the command
+        if self._ended is not None:  # the thread may have drained its queue before this command came
+            _settle(added, self._ended)
+        elif not self.healthy:  # died before it could take the command
             _settle(added, EngineDeadError(f"the engine has stopped: {self.error!r}"))
         finished = False
         try:
@@ -125,12 +139,15 @@ class AsyncLLMEngine:
         self._commands.put(("abort", request_id))
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the engine thread, then the engine's worker processes."""
+        """Stop the engine thread, failing every open or pending request with EngineShutdownError (so no caller
+        waits forever), then stop the engine's worker processes."""
         self._commands.put(("stop",))
         self._thread.join(timeout)
         self.engine.shutdown()
 
     def _check_alive(self) -> None:
+        if isinstance(self._ended, EngineShutdownError):
+            raise EngineShutdownError("the engine has been shut down")
         if not self.healthy:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}" if self.error else
                                   "the engine has been shut down")
@@ -147,11 +164,17 @@ class AsyncLLMEngine:
         except BaseException as e:  # noqa: BLE001 - the engine is dead whatever it was; callers get told
             logger.exception("engine step failed; the engine is stopped")
             self.error = e
-            dead = EngineDeadError(f"the engine failed: {e!r}")
-            for stream in self._streams.values():
-                stream.put(dead)
-            self._streams.clear()
-            self._fail_pending_commands(dead)
+            self._fail_everything(EngineDeadError(f"the engine failed: {e!r}"))
+        else:
+            self._fail_everything(EngineShutdownError("the engine has been shut down"))
+
+    def _fail_everything(self, error: EngineDeadError) -> None:
+        """End every open stream and every add still queued with `error`."""
+        self._ended = error
+        for stream in self._streams.values():
+            stream.put(error)
+        self._streams.clear()
+        self._fail_pending_commands(error)
 
     def _take_commands(self, block: bool) -> bool:
         """Apply queued adds and aborts (waiting for one if `block`); False once asked to stop."""
@@ -213,7 +236,7 @@ class AsyncLLMEngine:
                 return
             if command[0] == "add":
                 stream, added = command[4], command[5]
-                stream.loop.call_soon_threadsafe(_settle, added, error)
+                stream.call(_settle, added, error)
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:

@@ -22,8 +22,9 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mini_infer.engine.arg_utils import EngineArgs
-from mini_infer.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from mini_infer.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineShutdownError
 from mini_infer.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from mini_infer.entrypoints.openai.shutdown import Drain, DrainMiddleware
 from mini_infer.errors import InvalidRequestError
 from mini_infer.outputs import RequestOutput
 
@@ -98,6 +99,9 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, *, api_key: str | 
     async def chat_completions(request: Request):
         return await server.handle(request, ChatCompletionRequest, server.chat_completion)
 
+    app.state.drain = Drain()  # what shutdown.serve waits on, and tells to refuse new requests
+    app.add_middleware(DrainMiddleware, drain=app.state.drain,
+                       refusal=lambda: APIError(503, "the server is shutting down").response())
     return app
 
 
@@ -202,7 +206,7 @@ class _Server:
         try:
             return await anext(outputs)
         except EngineDeadError as e:
-            raise APIError(500, str(e)) from None
+            raise _engine_error(e) from None
 
 
 class _Choices:
@@ -301,7 +305,7 @@ async def _guard_engine_death(events: AsyncIterator[str]) -> AsyncIterator[str]:
             async for event in events:
                 yield event
         except EngineDeadError as e:
-            yield _sse(APIError(500, str(e)).body())
+            yield _sse(_engine_error(e).body())
             yield "data: [DONE]\n\n"
 
 
@@ -348,7 +352,14 @@ async def _unless_disconnected(request: Request, work):
     try:
         return task.result()
     except EngineDeadError as e:
-        raise APIError(500, str(e)) from None
+        raise _engine_error(e) from None
+
+
+def _engine_error(error: EngineDeadError) -> APIError:
+    """A 503 for a request aborted because the server is shutting down; a 500 if the engine failed."""
+    if isinstance(error, EngineShutdownError):
+        return APIError(503, "the server is shutting down; the request was aborted")
+    return APIError(500, str(error))
 
 
 def _sse(payload: dict) -> str:
@@ -426,6 +437,9 @@ def add_serve_args(parser):
                              "directory name)")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="larger request bodies get a 413")
+    parser.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="SECONDS",
+                        help="on SIGTERM / SIGINT, how long open requests get to finish before they are aborted "
+                             "(new ones get a 503 meanwhile; a second signal aborts them at once)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     EngineArgs.add_cli_args(parser)
     return parser
@@ -437,12 +451,13 @@ def run_server(args) -> int:
     import os
     from pathlib import Path
 
-    import uvicorn
-
     from mini_infer.engine.metrics import EngineMetrics
+    from mini_infer.entrypoints.openai.shutdown import serve
 
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    if not args.shutdown_timeout >= 0:  # also refuses nan
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     engine_args = EngineArgs.from_cli_args(args)
     model_dir = engine_args.resolved_model()
     name = args.served_model_name or args.model or Path(model_dir).name
@@ -453,7 +468,8 @@ def run_server(args) -> int:
     app = build_app(engine, name, api_key=api_key, max_body_bytes=args.max_body_bytes)
     logging.getLogger("mini_infer").info("serving %s (%s) on http://%s:%d/v1", name, model_dir, args.host, args.port)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        serve(app, engine, host=args.host, port=args.port, log_level=args.log_level,
+              shutdown_timeout=args.shutdown_timeout)
     finally:
-        engine.shutdown()
+        engine.shutdown()  # serve() has shut it down unless uvicorn failed to start (a second call is a no-op)
     return 0
