@@ -448,8 +448,9 @@ def _shm_peer_exits(rank: int, port: int, results) -> None:
         results.put(f"{time.monotonic() - start:.1f} s: {e}")
 
 
-def test_shared_memory_all_reduce_raises_when_a_peer_process_is_gone():
-    """Without the watchdog this all-reduce would spin forever; with it, it raises within a second or so."""
+def _two_shm_ranks(target) -> tuple[str, list]:
+    """Run target(rank, port, results) in two spawned ranks; the first result one of them reports, and the
+    processes (stopped ones are killed)."""
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -457,16 +458,22 @@ def test_shared_memory_all_reduce_raises_when_a_peer_process_is_gone():
         port = s.getsockname()[1]
     context = mp.get_context("spawn")
     results = context.Queue()
-    processes = [context.Process(target=_shm_peer_exits, args=(r, port, results)) for r in range(2)]
+    processes = [context.Process(target=target, args=(r, port, results)) for r in range(2)]
     for p in processes:
         p.start()
     try:
-        outcome = results.get(timeout=60)
+        return results.get(timeout=60), processes
     finally:
         for p in processes:
-            p.join(10)
+            p.join(3)  # the reporting rank returns at once; a stopped one never does
             if p.is_alive():
                 p.kill()
+                p.join(10)
+
+
+def test_shared_memory_all_reduce_raises_when_a_peer_process_is_gone():
+    """Without the watchdog this all-reduce would spin forever; with it, it raises within a second or so."""
+    outcome, processes = _two_shm_ranks(_shm_peer_exits)
     seconds, message = outcome.split(" s: ")
     assert float(seconds) < 5 and "tensor-parallel peer" in message and f"pid {processes[1].pid}" in message
 
@@ -493,22 +500,7 @@ def _shm_peer_stops(rank: int, port: int, results) -> None:
 def test_shared_memory_all_reduce_times_out_on_a_stopped_peer():
     """A peer that is alive but stopped (SIGSTOP) would keep the watchdog's liveness check happy forever: the
     wait times out instead, like the gloo path's collectives."""
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    processes = [context.Process(target=_shm_peer_stops, args=(r, port, results)) for r in range(2)]
-    for p in processes:
-        p.start()
-    try:
-        outcome = results.get(timeout=60)
-    finally:
-        for p in processes:
-            p.kill()
-            p.join(10)
+    outcome, _ = _two_shm_ranks(_shm_peer_stops)
     seconds, message = outcome.split(" s: ")
     assert 1.0 <= float(seconds) < 10 and "did not answer within 1 s" in message
 

@@ -421,3 +421,31 @@ def test_a_disconnect_before_the_first_token_aborts_during_prefill(tiny_model_di
             assert computed_at_abort[0] < len(prompt) // 2
     finally:
         engine.shutdown()
+
+
+# ---- 4. a step that fails ends every open stream cleanly ----
+
+def test_a_failing_step_ends_every_open_stream_with_an_error_event_and_done(tiny_model_dir):
+    inner = LLMEngine.from_args(str(tiny_model_dir), **ENGINE_ARGS)
+    engine = AsyncLLMEngine(inner, EngineMetrics(MODEL_NAME))
+    real_step, broken = inner.step, threading.Event()
+
+    def step():
+        if broken.is_set():
+            raise RuntimeError("simulated device failure")
+        return real_step()
+
+    inner.step = step
+    body = {"prompt": "Hello", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    try:
+        with ServerThread(build_app(engine, MODEL_NAME)) as server:
+            events = []
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        broken.set()  # after the first chunk
+            assert events[-1] == "[DONE]" and "simulated device failure" in json.loads(events[-2])["error"]["message"]
+            assert httpx.get(server.url + "/health").status_code == 503
+    finally:
+        engine.shutdown()

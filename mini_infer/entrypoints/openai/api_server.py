@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mini_infer.engine.arg_utils import EngineArgs
 from mini_infer.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineShutdownError
+from mini_infer.entrypoints.openai.choices import ChatChoices, Choices, CompletionChoices, usage_body
 from mini_infer.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from mini_infer.entrypoints.openai.shutdown import Drain, DrainMiddleware
 from mini_infer.errors import InvalidRequestError
@@ -162,7 +163,7 @@ class _Server:
 
     async def completion(self, request: Request, req: CompletionRequest):
         params = self._sampling_params(req, req.max_tokens, req.logprobs)
-        return await self._generate(request, req, req.prompt, params, _CompletionChoices())
+        return await self._generate(request, req, req.prompt, params, CompletionChoices())
 
     async def chat_completion(self, request: Request, req: ChatCompletionRequest):
         tokenizer = self.engine.tokenizer
@@ -175,9 +176,9 @@ class _Server:
         except Exception as e:  # noqa: BLE001 - the template's own error, reported to the caller
             raise APIError(400, f"the chat template could not render these messages: {e}", "messages") from None
         params = self._sampling_params(req, req.requested_max_tokens, req.requested_logprobs)
-        return await self._generate(request, req, prompt, params, _ChatChoices(req.top_logprobs or 0))
+        return await self._generate(request, req, prompt, params, ChatChoices(req.top_logprobs or 0))
 
-    async def _generate(self, request: Request, req, prompt, params, choices: _Choices):
+    async def _generate(self, request: Request, req, prompt, params, choices: Choices):
         """Run the request: an SSE response when it streams, else the whole response body."""
         request_id = f"{choices.id_prefix}-{uuid.uuid4().hex}"
         outputs = self.engine.generate(request_id, prompt, params)
@@ -195,7 +196,7 @@ class _Server:
         text, token_ids, logprobs, finish, stop_reason, prompt_tokens = result
         return {**meta, "object": choices.object,
                 "choices": [choices.choice(text, logprobs, finish, stop_reason, streaming=False)],
-                "usage": _usage(prompt_tokens, len(token_ids))}
+                "usage": usage_body(prompt_tokens, len(token_ids))}
 
     def _sampling_params(self, req, max_tokens: int | None, logprobs: int | None):
         return req.sampling_params(self.engine.default_sampling_params(), max_tokens, logprobs)
@@ -209,54 +210,7 @@ class _Server:
             raise _engine_error(e) from None
 
 
-class _Choices:
-    """How one endpoint spells a choice, whole or as a streamed delta."""
-
-    id_prefix: str
-    object: str
-    chunk_object: str
-
-    def opening(self) -> dict | None:
-        """A choice to stream before any text, or None."""
-        return None
-
-    def choice(self, text: str, logprobs: list[dict] | None, finish_reason: str | None, stop_reason,
-               streaming: bool) -> dict:
-        raise NotImplementedError
-
-
-class _CompletionChoices(_Choices):
-    id_prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
-
-    def __init__(self) -> None:
-        self.text_offset = 0  # of the next token, across a stream's chunks
-
-    def choice(self, text, logprobs, finish_reason, stop_reason, streaming):
-        shaped = None
-        if logprobs:
-            shaped = _completion_logprobs(logprobs, self.text_offset)
-            self.text_offset += sum(len(t) for t in shaped["tokens"])
-        return {"index": 0, "text": text, "logprobs": shaped, "finish_reason": finish_reason,
-                "stop_reason": stop_reason}
-
-
-class _ChatChoices(_Choices):
-    id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
-
-    def __init__(self, top_logprobs: int) -> None:
-        self.top_logprobs = top_logprobs
-
-    def opening(self):
-        return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-
-    def choice(self, text, logprobs, finish_reason, stop_reason, streaming):
-        body = ({"delta": {"content": text} if text else {}} if streaming
-                else {"message": {"role": "assistant", "content": text}})
-        return {"index": 0, **body, "logprobs": _chat_logprobs(logprobs, self.top_logprobs) if logprobs else None,
-                "finish_reason": finish_reason, "stop_reason": stop_reason}
-
-
-async def _events(outputs, first: RequestOutput, chunk: dict, include_usage: bool, choices: _Choices):
+async def _events(outputs, first: RequestOutput, chunk: dict, include_usage: bool, choices: Choices):
     """A request's SSE events: a chunk per output that carries text or logprobs (and the last one), then the
     usage chunk if asked for, then [DONE]."""
     num_tokens = 0
@@ -273,7 +227,7 @@ async def _events(outputs, first: RequestOutput, chunk: dict, include_usage: boo
                                 completion.stop_reason, streaming=True)
         yield _sse({**chunk, "choices": [choice], **usage})
     if include_usage:
-        yield _sse({**chunk, "choices": [], "usage": _usage(len(first.prompt_token_ids), num_tokens)})
+        yield _sse({**chunk, "choices": [], "usage": usage_body(len(first.prompt_token_ids), num_tokens)})
     yield "data: [DONE]\n\n"
 
 
@@ -364,41 +318,6 @@ def _engine_error(error: EngineDeadError) -> APIError:
 
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def _completion_logprobs(logprobs: list[dict], text_offset: int) -> dict:
-    """OpenAI's completions shape: tokens, token_logprobs, top_logprobs ({token: logprob}), text_offset."""
-    tokens, token_logprobs, top, offsets = [], [], [], []
-    for entry in logprobs:
-        sampled = next(iter(entry.values()))  # the sampled token comes first
-        token = sampled.decoded_token or ""
-        tokens.append(token)
-        token_logprobs.append(sampled.logprob)
-        top.append({(lp.decoded_token or ""): lp.logprob for lp in entry.values()})
-        offsets.append(text_offset)
-        text_offset += len(token)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
-
-
-def _chat_logprobs(logprobs: list[dict], top_n: int) -> dict:
-    """OpenAI's chat shape: content = [{token, logprob, bytes, top_logprobs: [the top_n {token, logprob,
-    bytes}]}]; each entry holds the sampled token first, then the most likely ones."""
-    content = []
-    for entry in logprobs:
-        sampled = next(iter(entry.values()))
-        top = [_chat_token(lp) for lp in sorted(entry.values(), key=lambda lp: lp.rank) if lp.rank <= top_n]
-        content.append({**_chat_token(sampled), "top_logprobs": top})
-    return {"content": content}
-
-
-def _chat_token(lp) -> dict:
-    token = lp.decoded_token or ""
-    return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode())}
 
 
 def _api_param(field: str | None, req) -> str | None:

@@ -1,0 +1,85 @@
+"""How the two endpoints spell their answers: a choice (whole, or a streamed delta), logprobs, usage."""
+
+from __future__ import annotations
+
+
+class Choices:
+    """How one endpoint spells a choice, whole or as a streamed delta."""
+
+    id_prefix: str
+    object: str
+    chunk_object: str
+
+    def opening(self) -> dict | None:
+        """A choice to stream before any text, or None."""
+        return None
+
+    def choice(self, text: str, logprobs: list[dict] | None, finish_reason: str | None, stop_reason,
+               streaming: bool) -> dict:
+        raise NotImplementedError
+
+
+class CompletionChoices(Choices):
+    id_prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
+
+    def __init__(self) -> None:
+        self.text_offset = 0  # of the next token, across a stream's chunks
+
+    def choice(self, text, logprobs, finish_reason, stop_reason, streaming):
+        shaped = None
+        if logprobs:
+            shaped = _completion_logprobs(logprobs, self.text_offset)
+            self.text_offset += sum(len(t) for t in shaped["tokens"])
+        return {"index": 0, "text": text, "logprobs": shaped, "finish_reason": finish_reason,
+                "stop_reason": stop_reason}
+
+
+class ChatChoices(Choices):
+    id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, top_logprobs: int) -> None:
+        self.top_logprobs = top_logprobs
+
+    def opening(self):
+        return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+    def choice(self, text, logprobs, finish_reason, stop_reason, streaming):
+        body = ({"delta": {"content": text} if text else {}} if streaming
+                else {"message": {"role": "assistant", "content": text}})
+        return {"index": 0, **body, "logprobs": _chat_logprobs(logprobs, self.top_logprobs) if logprobs else None,
+                "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _completion_logprobs(logprobs: list[dict], text_offset: int) -> dict:
+    """OpenAI's completions shape: tokens, token_logprobs, top_logprobs ({token: logprob}), text_offset."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for entry in logprobs:
+        sampled = next(iter(entry.values()))  # the sampled token comes first
+        token = sampled.decoded_token or ""
+        tokens.append(token)
+        token_logprobs.append(sampled.logprob)
+        top.append({(lp.decoded_token or ""): lp.logprob for lp in entry.values()})
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _chat_logprobs(logprobs: list[dict], top_n: int) -> dict:
+    """OpenAI's chat shape: content = [{token, logprob, bytes, top_logprobs: [the top_n {token, logprob,
+    bytes}]}]; each entry holds the sampled token first, then the most likely ones."""
+    content = []
+    for entry in logprobs:
+        sampled = next(iter(entry.values()))
+        top = [_chat_token(lp) for lp in sorted(entry.values(), key=lambda lp: lp.rank) if lp.rank <= top_n]
+        content.append({**_chat_token(sampled), "top_logprobs": top})
+    return {"content": content}
+
+
+def _chat_token(lp) -> dict:
+    token = lp.decoded_token or ""
+    return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode())}
