@@ -227,12 +227,17 @@ def test_an_empty_api_key_is_refused_at_start(served, tiny_model_dir, monkeypatc
 
 # ---- 10. from reading the code ----
 
-def test_zero_exponential_noise_cannot_pick_an_impossible_token(monkeypatch):
-    sampler = Sampler(3, torch.device("cpu"), seed=0)
-    sampler.add(NewRequest("r", 0, [0], 1, 0, [], SamplingParams(temperature=1.0), ()))
-    monkeypatch.setattr(torch.Tensor, "exponential_", lambda self, *a, **k: self.zero_())
-    logits = torch.tensor([[float("-inf"), 0.0, 1.0]])
-    assert sampler(logits, [0]).token_ids == [2]
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=2),
+                                    SamplingParams(temperature=1.0, top_p=0.999)])
+def test_an_extreme_uniform_draw_cannot_pick_an_impossible_token(monkeypatch, params):
+    """torch.rand may return exactly 0.0: the draw must still land on a token of positive probability."""
+    sampler = Sampler(4, torch.device("cpu"), seed=0)
+    sampler.add(NewRequest("r", 0, [0], 1, 0, [], params, ()))
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.zeros(a[0], dtype=torch.float64))
+    low = sampler(torch.tensor([[float("-inf"), 0.0, 1.0, float("-inf")]]), [0]).token_ids
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.full((a[0],), 1 - 2**-53, dtype=torch.float64))
+    high = sampler(torch.tensor([[float("-inf"), 0.0, 1.0, float("-inf")]]), [0]).token_ids
+    assert low in ([1], [2]) and high in ([1], [2])
 
 
 class _Text:

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from mini_infer.bench.profile import OTHER, ROWS, add_profile_args, profile_decode_step, run_profile
+from mini_infer.engine.llm_engine import LLMEngine
 
 TINY = ["--batch-size", "2", "--prompt-len", "4", "--decode-steps-before", "2", "--steps", "2"]
 
@@ -44,8 +45,6 @@ def test_profile_prints_every_row_and_writes_json(tiny_model_dir, tmp_path, caps
 
 
 def test_profile_decode_step_leaves_the_engine_idle(tiny_model_dir):
-    from mini_infer import LLMEngine
-
     engine = LLMEngine.from_args(str(tiny_model_dir), dtype="float32")
     result = profile_decode_step(engine, 3, prompt_len=5, decode_steps_before=1, steps=2)
     _check_breakdown(result)
@@ -76,3 +75,17 @@ def test_profile_passes_the_repetition_penalty_to_its_requests(tiny_model_dir, t
 def test_profile_refuses_a_non_positive_repetition_penalty(tiny_model_dir):
     with pytest.raises(ValueError, match="--repetition-penalty must be > 0"):
         run_profile(_parse([*TINY, "--model", str(tiny_model_dir), "--repetition-penalty", "0"]))
+
+
+def test_profile_with_the_model_s_sampling_defaults(tiny_model_dir, capsys):
+    """--sampling model-defaults profiles what a request without sampling fields gets: generation_config's
+    temperature, top_p, top_k and repetition penalty."""
+    engine_defaults = LLMEngine.from_args(str(tiny_model_dir), dtype="float32").default_sampling_params()
+    args = _parse([*TINY, "--model", str(tiny_model_dir), "--dtype", "float32", "--sampling", "model-defaults"])
+    assert run_profile(args) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert f"temperature {engine_defaults.temperature:g}" in head and f"top_k {engine_defaults.top_k}" in head
+    assert f"repetition penalty {engine_defaults.repetition_penalty:g}" in head
+    with pytest.raises(ValueError, match="--repetition-penalty applies to --sampling greedy"):
+        run_profile(_parse([*TINY, "--model", str(tiny_model_dir), "--sampling", "model-defaults",
+                            "--repetition-penalty", "1.2"]))

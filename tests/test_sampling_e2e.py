@@ -319,12 +319,18 @@ def test_stop_string_absent_runs_to_length(text_llm):
 def test_stop_string_waits_for_min_tokens(text_llm):
     llm, full = text_llm
     tokenizer = llm.get_tokenizer()
-    stop = _plain_piece(full.text, 0, 1)
-    first = next(j for j in range(1, len(full.token_ids) + 1) if stop in tokenizer.decode(full.token_ids[:j]))
-    min_tokens = first + 2
-    # Only text from the min_tokens-th token on may stop the request (one-character stop: no straddling).
-    allowed_from = len(tokenizer.decode(full.token_ids[: min_tokens - 1]))
-    index = full.text.find(stop, allowed_from)
+
+    def setting(stop: str) -> tuple[int, int]:
+        """(min_tokens just past the stop's first occurrence, where it may first stop the request)."""
+        first = next(j for j in range(1, len(full.token_ids) + 1) if stop in tokenizer.decode(full.token_ids[:j]))
+        # Only text from the min_tokens-th token on may stop the request (one-character stop: no straddling).
+        allowed_from = len(tokenizer.decode(full.token_ids[: first + 1]))
+        return first + 2, full.text.find(stop, allowed_from)
+
+    # The first one-character stop string that occurs again after min_tokens allows stopping.
+    stop = next(piece for i in range(len(full.text)) if (piece := _plain_piece(full.text, i, 1)) and
+                setting(piece)[1] > 0)
+    min_tokens, index = setting(stop)
     assert index > full.text.find(stop) >= 0
     out = generate_one(llm, TEXT_PROMPT, text_params(stop=stop, min_tokens=min_tokens))
     assert (out.text, out.finish_reason, out.stop_reason) == (full.text[:index], "stop", stop)

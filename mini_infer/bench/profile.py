@@ -7,6 +7,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from torch.profiler import ProfilerActivity, profile
@@ -20,6 +21,7 @@ from mini_infer.sampling_params import RequestOutputKind, SamplingParams
 _LABELS = ("scheduler", "input_prep", "forward", "kv_write", "attention", "lm_head", "sampling")
 ROWS = ("input preparation", "KV write", "attention", "rest of forward", "LM head", "sampling",
         "scheduler / bookkeeping", "other")
+SAMPLING = ("greedy", "model-defaults")
 OTHER = "other"  # the step time no labelled range covers: the remainder, not a measurement
 COLUMNS = (Column("component", "name"), Column("ms/step", "ms", "{:.3f}"), Column("% step", "percent", "{:.1f}%"))
 
@@ -33,6 +35,9 @@ def add_profile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--steps", type=int, default=5, help="decode steps measured (the mean is reported)")
     parser.add_argument("--repetition-penalty", type=float, default=1.0,
                         help="the profiled requests' repetition penalty (> 0; 1.0: none, plain greedy)")
+    parser.add_argument("--sampling", choices=SAMPLING, default="greedy",
+                        help="greedy (with --repetition-penalty), or model-defaults: the sampling parameters of the "
+                             "model's generation_config.json, which every request that sets none gets")
     parser.add_argument("--out", default=None, help="directory for profile.json and profile.txt")
     parser.add_argument("--trace", action="store_true", help="also write a Chrome trace (trace.json) to --out")
     EngineArgs.add_cli_args(parser)
@@ -48,13 +53,15 @@ def run_profile(args: argparse.Namespace) -> int:
                          "with tensor/pipeline parallelism); run it with --data-parallel-size 1")
     if not args.repetition_penalty > 0:
         raise ValueError(f"--repetition-penalty must be > 0, got {args.repetition_penalty}")
+    if args.sampling == "model-defaults" and args.repetition_penalty != 1.0:
+        raise ValueError("--repetition-penalty applies to --sampling greedy; model-defaults takes the model's")
     engine = LLMEngine(EngineArgs.from_cli_args(args).create_engine_config())
     out_dir = Path(args.out) if args.out is not None else None
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
     result = profile_decode_step(engine, args.batch_size, prompt_len=args.prompt_len,
                                  decode_steps_before=args.decode_steps_before, steps=args.steps,
-                                 repetition_penalty=args.repetition_penalty,
+                                 repetition_penalty=args.repetition_penalty, sampling=args.sampling,
                                  trace_path=out_dir / "trace.json" if args.trace else None)
     table = profile_table(result)
     print(table)
@@ -65,7 +72,8 @@ def run_profile(args: argparse.Namespace) -> int:
 
 
 def profile_decode_step(engine, batch_size: int, *, prompt_len: int = 32, decode_steps_before: int = 64,
-                        steps: int = 5, repetition_penalty: float = 1.0, trace_path: Path | None = None) -> dict:
+                        steps: int = 5, repetition_penalty: float = 1.0, sampling: str = "greedy",
+                        trace_path: Path | None = None) -> dict:
     """Bring `batch_size` requests into decode, time `steps` decode steps plain and then under the profiler,
     and return the per-step breakdown (ms and % of the profiled step). The requests are aborted after."""
     for name, value, low in (("batch_size", batch_size, 1), ("prompt_len", prompt_len, 1),
@@ -73,7 +81,10 @@ def profile_decode_step(engine, batch_size: int, *, prompt_len: int = 32, decode
         if value < low:
             raise ValueError(f"{name} must be >= {low}, got {value}")
     max_tokens = 1 + decode_steps_before + 2 * steps
-    batch = _DecodeBatch(engine, batch_size, prompt_len, max_tokens, repetition_penalty)
+    base = (engine.default_sampling_params() if sampling == "model-defaults"
+            else SamplingParams(temperature=0, repetition_penalty=repetition_penalty))
+    params = replace(base, ignore_eos=True, max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA)
+    batch = _DecodeBatch(engine, batch_size, prompt_len, params)
     try:
         for _ in range(decode_steps_before):
             batch.step()
@@ -92,7 +103,9 @@ def profile_decode_step(engine, batch_size: int, *, prompt_len: int = 32, decode
         "model": str(config.model), "dtype": str(config.torch_dtype).removeprefix("torch."),
         "device": str(config.device), "batch_size": batch_size, "prompt_len": prompt_len,
         "decode_steps_before": decode_steps_before, "context_len": context_len, "steps": steps,
-        "repetition_penalty": repetition_penalty, "step_ms": step_ms,
+        "repetition_penalty": params.repetition_penalty, "sampling": sampling,
+        "sampling_params": {name: getattr(params, name) for name in ("temperature", "top_p", "top_k", "min_p")},
+        "step_ms": step_ms,
         "unprofiled_step_ms": 1000 * statistics.fmean(unprofiled),
         "measured_ms": sum(row["ms"] for row in rows if row["name"] != OTHER), "rows": rows,
     }
@@ -102,7 +115,8 @@ class _DecodeBatch:
     """The profiled requests in an LLMEngine: the one place that reads the engine's internals (its requests,
     scheduler queues and KV cache), to check that every timed step is a decode step of all of them."""
 
-    def __init__(self, engine, batch_size: int, prompt_len: int, max_tokens: int, repetition_penalty: float):
+    def __init__(self, engine, batch_size: int, prompt_len: int, params: SamplingParams):
+        max_tokens = params.max_tokens
         if batch_size > engine.config.max_num_seqs:
             raise ValueError(f"batch_size ({batch_size}) exceeds max_num_seqs ({engine.config.max_num_seqs}); "
                              "raise --max-num-seqs")
@@ -115,8 +129,6 @@ class _DecodeBatch:
         if engine.has_unfinished_requests():
             raise ValueError("profile needs an idle engine; this one has unfinished requests")
         self.engine, self.scheduler = engine, engine.scheduler
-        params = SamplingParams(temperature=0, repetition_penalty=repetition_penalty, ignore_eos=True,
-                                max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA)
         vocab = engine.config.model_config.vocab_size
         self.ids = [f"profile-{i}" for i in range(batch_size)]
         for i, request_id in enumerate(self.ids):
@@ -177,9 +189,11 @@ def _component_rows(label_ms: dict[str, float], step_ms: float) -> list[dict]:
 
 def profile_table(result: dict) -> str:
     """The breakdown with the run's settings and the profiler-overhead caveat."""
-    penalty = result["repetition_penalty"]
+    penalty, chosen = result["repetition_penalty"], result["sampling_params"]
     head = (f"decode step: batch {result['batch_size']}, context {result['context_len']} tokens, "
             f"{result['dtype']} on {result['device']}, mean of {result['steps']} steps"
+            + (f", the model's sampling defaults ({', '.join(f'{k} {v:g}' for k, v in chosen.items())})"
+               if result["sampling"] == "model-defaults" else "")
             + (f", repetition penalty {penalty:g}" if penalty != 1.0 else ""))
     total = {"name": "step total", "ms": result["step_ms"], "percent": 100.0}
     lines = [head, "", format_table(COLUMNS, [*result["rows"], None, total]), "",

@@ -1,12 +1,13 @@
 """Sampler: logits -> next token ids, vectorised over the batch with per-request parameters held per slot.
 
 Each slot of the persistent batch keeps its request's sampling parameters as tensor rows and, for penalised
-requests, its prompt-token mask and output-token counts, updated as tokens arrive; a step gathers the rows of the
-requests it samples, so its host work is O(batch) whatever the context length.
+requests, the tokens it has seen and its output-token counts (runner/penalties.py), updated as tokens arrive; a
+step gathers the rows of the requests it samples, so its host work is O(batch) whatever the context length.
 
 Order (as in vLLM): min_tokens mask, penalties, greedy argmax; then temperature, min_p, top_k, top_p and a
-draw. A draw is argmax(probs / E) with E ~ Exponential(1), which picks token i with probability probs[i];
-requests with a seed draw E from their own generator, so their samples do not depend on the batch.
+draw by inverse CDF from one uniform per row; requests with a seed draw it from their own generator, so their
+samples do not depend on the batch. top_k and top_p work on each row's likeliest tokens (torch.topk), not a sort of
+the whole vocabulary, unless the nucleus reaches past them.
 Logprobs are those of the raw model logits.
 """
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mini_infer.runner.penalties import Penalties
 from mini_infer.runner.plan import NewRequest
 from mini_infer.sampling_params import SamplingParams
 
@@ -50,9 +52,7 @@ class Sampler:
         self._num_outputs: list[int] = []
         self._slot_generators: list[torch.Generator | None] = []
         self._generators: dict[str, torch.Generator] = {}  # seeded requests, kept while preempted
-        # Penalty state, allocated when a penalised request first arrives: [slots, vocab].
-        self._output_counts: torch.Tensor | None = None
-        self._prompt_seen: torch.Tensor | None = None
+        self._penalties: Penalties | None = None  # allocated when a penalised request first arrives
 
     # ---- the batch's slots ----
 
@@ -74,7 +74,9 @@ class Sampler:
                 self._generators[request.request_id] = generator
         self._slot_generators[slot] = generator
         if params.uses_penalties:
-            self._set_penalty_rows(slot, request)
+            if self._penalties is None:
+                self._penalties = Penalties(self.vocab_size, self._capacity, self.device)
+            self._penalties.reset(slot, request.token_ids, request.num_prompt_tokens)
 
     def release(self, request_id: str, slot: int | None, finished: bool) -> None:
         """The request left its slot; a finished one also drops its seeded generator (a preempted one keeps it
@@ -89,10 +91,9 @@ class Sampler:
         """Tokens the requests in `slots` gained (their sampled ones)."""
         for slot in slots:
             self._num_outputs[slot] += 1
-        if self._output_counts is not None and slots:
-            index = (torch.tensor(slots, device=self.device), torch.tensor(token_ids, device=self.device))
-            self._output_counts.index_put_(index, torch.ones(len(slots), dtype=torch.int32, device=self.device),
-                                           accumulate=True)
+        if self._penalties is not None:
+            penalised = [(s, t) for s, t in zip(slots, token_ids) if self._params[s].uses_penalties]
+            self._penalties.append([s for s, _ in penalised], [t for _, t in penalised])
 
     def _grow(self, capacity: int) -> None:
         if capacity <= self._capacity:
@@ -106,99 +107,171 @@ class Sampler:
         self._stop_ids += [()] * extra
         self._num_outputs += [0] * extra
         self._slot_generators += [None] * extra
-        if self._output_counts is not None:
-            self._output_counts = _extend(self._output_counts, extra, torch.int32, self.device)
-            self._prompt_seen = _extend(self._prompt_seen, extra, torch.bool, self.device)
+        if self._penalties is not None:
+            self._penalties.grow(new)
         self._capacity = new
-
-    def _set_penalty_rows(self, slot: int, request: NewRequest) -> None:
-        if self._output_counts is None:
-            shape = (self._capacity, self.vocab_size)
-            self._output_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
-            self._prompt_seen = torch.zeros(shape, dtype=torch.bool, device=self.device)
-        tokens = torch.tensor(request.token_ids, dtype=torch.int64, device=self.device)
-        prompt, output = tokens[: request.num_prompt_tokens], tokens[request.num_prompt_tokens:]
-        self._prompt_seen[slot] = False
-        self._prompt_seen[slot, prompt[prompt < self.vocab_size]] = True
-        self._output_counts[slot] = torch.bincount(output[output < self.vocab_size], minlength=self.vocab_size)
 
     # ---- sampling ----
 
     def __call__(self, logits: torch.Tensor, slots: list[int]) -> SamplerOutput:
         """Sample one token for each row of `logits`, row i belonging to the request in slots[i]."""
         params = [self._params[s] for s in slots]
-        logits = logits[:, : self.vocab_size].to(torch.promote_types(logits.dtype, torch.float32))
+        # The sampler's own copy when anything below edits it in place (the caller's logits stay as they are).
+        edits = (not all(p.greedy and not p.uses_penalties for p in params)
+                 or any(self._num_outputs[s] < self._params[s].min_tokens for s in slots))
+        work = logits[:, : self.vocab_size].to(torch.promote_types(logits.dtype, torch.float32), copy=edits)
         raw_logprobs = None
         if any(p.logprobs is not None for p in params):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self.mask_stop_tokens_under_min(logits, slots)
-        index = torch.tensor(slots, device=self.device)
+            raw_logprobs = torch.log_softmax(work, dim=-1)
+        self.mask_stop_tokens_under_min(work, slots)
         if any(p.uses_penalties for p in params):
-            logits = self.apply_penalties(logits, slots)
-        tokens = logits.argmax(dim=-1)
-        if not all(p.greedy for p in params):
-            tokens = self._sample(logits, tokens, slots, index, params)
+            self.apply_penalties(work, slots)
+        if all(p.greedy for p in params):
+            tokens = work.argmax(dim=-1)
+        else:
+            tokens = self._sample(work, slots, params)
         return SamplerOutput(tokens.tolist(), _gather_logprobs(raw_logprobs, tokens, params))
 
     def mask_stop_tokens_under_min(self, logits: torch.Tensor, slots: list[int]) -> torch.Tensor:
-        """-inf on the stop token ids of the rows whose requests have fewer than min_tokens outputs."""
+        """-inf, in place, on the stop token ids of the rows whose requests have fewer than min_tokens outputs."""
         rows, cols = [], []
         for i, slot in enumerate(slots):
             if self._num_outputs[slot] < self._params[slot].min_tokens:
                 rows.extend([i] * len(self._stop_ids[slot]))
                 cols.extend(self._stop_ids[slot])
         if rows:
-            logits = logits.index_put((torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)),
-                                      torch.tensor(float("-inf"), dtype=logits.dtype, device=self.device))
+            logits.index_put_((torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)),
+                              torch.tensor(float("-inf"), dtype=logits.dtype, device=self.device))
         return logits
 
     def apply_penalties(self, logits: torch.Tensor, slots: list[int]) -> torch.Tensor:
-        """Repetition penalty on tokens of the prompt or the output, presence and frequency on the output."""
+        """Repetition penalty on tokens of the prompt or the output, presence and frequency on the output (in
+        place)."""
         index = torch.tensor(slots, device=self.device)
 
         def column(name):
             return self._rows[name][index].to(logits.dtype)[:, None]
 
-        output_counts = self._output_counts[index].to(logits.dtype)
-        seen = self._prompt_seen[index] | (output_counts > 0)
-        repetition = column("repetition")
-        penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
-        logits = torch.where(seen, penalised, logits)
-        logits = logits - column("frequency") * output_counts
-        return logits - column("presence") * (output_counts > 0)
+        return self._penalties.apply(logits, slots, column("repetition"), column("frequency"), column("presence"))
 
-    def _sample(self, logits: torch.Tensor, greedy_tokens: torch.Tensor, slots: list[int], index: torch.Tensor,
-                params: list[SamplingParams]) -> torch.Tensor:
-        greedy = torch.tensor([p.greedy for p in params], device=self.device)
-        logits = logits / self._rows["temperature"][index].to(logits.dtype)[:, None]
-        if any(p.min_p > 0 for p in params):
-            probs = logits.softmax(dim=-1)
-            threshold = probs.amax(dim=-1, keepdim=True) * self._rows["min_p"][index].to(logits.dtype)[:, None]
-            logits = logits.masked_fill(probs < threshold, float("-inf"))
-        if any(p.top_k > 0 or p.top_p < 1 for p in params):
-            logits = self._top_k_top_p(logits, index)
-        probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for i, (slot, p) in enumerate(zip(slots, params)):
-            if self._slot_generators[slot] is not None and not p.greedy:
-                noise[i].exponential_(generator=self._slot_generators[slot])
-        # exponential_ can return 0.0, and p / 0 would make any token, even one of probability 0, the argmax.
-        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, greedy_tokens, sampled)
+    def _sample(self, logits: torch.Tensor, slots: list[int], params: list[SamplingParams]) -> torch.Tensor:
+        index = torch.tensor(slots, device=self.device)
 
-    def _top_k_top_p(self, logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(self.vocab_size, device=self.device)[None, :]
-        drop = ranks >= self._top_k[index][:, None]
-        top_p = self._rows["top_p"][index].to(logits.dtype)
-        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it already does.
+        def column(name, rows=index):
+            return self._rows[name][rows].to(logits.dtype)
+
+        logits.div_(column("temperature")[:, None])  # greedy rows' temperature is 1: their argmax stays
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        tokens = torch.empty(len(slots), dtype=torch.int64, device=self.device)
+        if greedy:
+            tokens[greedy] = logits[greedy].argmax(dim=-1)
+        picked = index[rows]
+        filters = _Filters(self._top_k[picked], column("top_p", picked), column("min_p", picked).log())
+        tokens[rows] = _draw(logits[rows] if greedy else logits, filters, self._uniforms([slots[i] for i in rows]))
+        return tokens
+
+    def _uniforms(self, slots: list[int]) -> torch.Tensor:
+        """One draw in (0, 1] per row: a seeded request's from its own generator (so its samples do not depend on
+        the batch), the others' from the sampler's."""
+        u = 1 - torch.rand(len(slots), dtype=torch.float64, generator=self.generator, device=self.device)
+        for i, slot in enumerate(slots):
+            if self._slot_generators[slot] is not None:
+                u[i] = 1 - torch.rand(1, dtype=torch.float64, generator=self._slot_generators[slot],
+                                      device=self.device)
+        return u
+
+
+# A row with top_p but no top_k looks for its nucleus among this many of its likeliest tokens before sorting all.
+CANDIDATES = 1024
+
+
+@dataclass(slots=True)
+class _Filters:
+    top_k: torch.Tensor  # [n], the vocabulary size when off
+    top_p: torch.Tensor  # [n]
+    log_min_p: torch.Tensor  # [n], -inf when off
+
+    def rows(self, mask: torch.Tensor) -> _Filters:
+        return _Filters(self.top_k[mask], self.top_p[mask], self.log_min_p[mask])
+
+
+def _draw(scaled: torch.Tensor, filters: _Filters, u: torch.Tensor) -> torch.Tensor:
+    """Sample a token per row of temperature-scaled logits, after min_p, top_k and top_p, by inverse CDF.
+
+    Rows with top_k (or top_p) work on their top-k (or CANDIDATES) likeliest tokens only, found without a sort
+    of the vocabulary; a row whose nucleus reaches past its candidates, or whose top_k is larger, sorts it."""
+    n, vocab = scaled.shape
+    # min_p keeps p >= min_p * p_max, that is logit >= max logit + log(min_p).
+    threshold = scaled.amax(dim=-1) + filters.log_min_p
+    limited, nucleus = filters.top_k < vocab, filters.top_p < 1
+    tokens = torch.empty(n, dtype=torch.int64, device=scaled.device)
+    candidate = (limited & (filters.top_k <= CANDIDATES)) | (~limited & nucleus)
+    done = torch.zeros(n, dtype=torch.bool, device=scaled.device)
+    if candidate.any():
+        rows = candidate.nonzero()[:, 0]
+        k_limited = filters.top_k[rows][limited[rows]]
+        width = min(vocab, CANDIDATES if (~limited[rows]).any() else int(k_limited.max()))
+        picked, exact = _draw_candidates(scaled[rows], threshold[rows], filters.rows(rows), u[rows], width)
+        tokens[rows[exact]] = picked[exact]
+        done[rows[exact]] = True
+    rest = (~done).nonzero()[:, 0]
+    if len(rest):
+        tokens[rest] = _draw_full(scaled[rest], threshold[rest], filters.rows(rest), u[rest])
+    return tokens
+
+
+def _draw_candidates(scaled, threshold, filters: _Filters, u, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token per row, whether the row's draw is exact: its whole nucleus lies among its `width` candidates)."""
+    values, ids = scaled.topk(width, dim=-1)
+    keep = (torch.arange(width, device=scaled.device) < filters.top_k[:, None]) & (values >= threshold[:, None])
+    keep[:, 0] = True
+    weights = (values - values[:, :1]).exp() * keep
+    total = weights.sum(dim=-1)
+    unlimited = filters.top_k >= scaled.shape[1]
+    if unlimited.any():  # the kept set's mass includes its tail past the candidates
+        tail = scaled[unlimited]
+        kept = (tail - values[unlimited, :1]).exp() * (tail >= threshold[unlimited, None])
+        total[unlimited] = kept.sum(dim=-1)
+    probs = weights / total[:, None]
+    mass_before = probs.cumsum(dim=-1) - probs
+    # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it already does.
+    nucleus = filters.top_p < 1
+    keep &= ~nucleus[:, None] | (mass_before < filters.top_p[:, None])
+    keep[:, 0] = True  # the most likely token always stays, even where top_p rounds to 0 in this dtype
+    exact = ~unlimited | (probs.sum(dim=-1) >= filters.top_p) | (values[:, -1] < threshold)
+    return ids.gather(1, _inverse_cdf(weights * keep, u)[:, None])[:, 0], exact
+
+
+def _draw_full(scaled, threshold, filters: _Filters, u) -> torch.Tensor:
+    """The same over the whole vocabulary, sorting it for the rows that need their top-k or nucleus."""
+    weights = (scaled - scaled.amax(dim=-1, keepdim=True)).exp() * (scaled >= threshold[:, None])
+    ranked = (filters.top_k < scaled.shape[1]) | (filters.top_p < 1)
+    tokens = torch.empty(len(scaled), dtype=torch.int64, device=scaled.device)
+    plain = (~ranked).nonzero()[:, 0]
+    if len(plain):
+        tokens[plain] = _inverse_cdf(weights[plain], u[plain])
+    rows = ranked.nonzero()[:, 0]
+    if len(rows):
+        sorted_weights, order = weights[rows].sort(dim=-1, descending=True)
+        drop = torch.arange(scaled.shape[1], device=scaled.device)[None, :] >= filters.top_k[rows][:, None]
+        sorted_weights = sorted_weights.masked_fill(drop, 0)
+        probs = sorted_weights / sorted_weights.sum(dim=-1, keepdim=True)
         mass_before = probs.cumsum(dim=-1) - probs
-        drop |= mass_before >= top_p[:, None]
-        drop[:, 0] = False  # the most likely token always stays, even where top_p rounds to 0 in this dtype
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        top_p = filters.top_p[rows][:, None]
+        drop = (top_p < 1) & (mass_before >= top_p)
+        drop[:, 0] = False
+        picked = _inverse_cdf(sorted_weights.masked_fill(drop, 0), u[rows])
+        tokens[rows] = order.gather(1, picked[:, None])[:, 0]
+    return tokens
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the index i with cdf[i-1] < u * total <= cdf[i]: index i drawn with probability weights[i] / total
+    (u in (0, 1], so a zero weight is never drawn)."""
+    cdf = weights.cumsum(dim=-1)
+    target = (u.to(cdf.dtype) * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, target)[:, 0].clamp_(max=weights.shape[1] - 1)
 
 
 def _extend(tensor: torch.Tensor | None, extra: int, dtype: torch.dtype, device) -> torch.Tensor:
