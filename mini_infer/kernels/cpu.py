@@ -3,7 +3,8 @@ all-reduce of tensor-parallel ranks on one machine.
 
 torch's CPU matmul in bfloat16 is only fast where the CPU has native bf16 instructions (AVX512-BF16, AMX);
 elsewhere it runs near 18 GFLOP/s. These kernels widen bf16 to float32 in registers instead, so they read each
-weight byte once and compute at the float32 FMA rate; at decode sizes they also beat MKL in float32.
+weight byte once and compute at the float32 FMA rate; at decode sizes they also beat MKL in float32. Where
+torch's is faster, kernels/autotune.py finds out and the model runs torch's instead.
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ def _function(source: str):
     function = getattr(build_library(here / source, FLAGS, headers=(here / "bf16.h",)), name)
     function.argtypes, function.restype = argtypes, restype
     return function
+
+
+def gemm_source() -> str:
+    """The matmul kernel's source (a changed kernel re-times the autotuner's choices)."""
+    here = Path(__file__).parent
+    return (here / "cpu_gemm.cpp").read_text() + (here / "bf16.h").read_text()
 
 
 def unavailable_reason() -> str | None:

@@ -1,9 +1,10 @@
 """The model's kernels: torch ops, or mini-infer's native CPU kernels for the matmuls and decode attention.
 
-`cpu_kernels="auto"` takes the native kernels on the CPU for bfloat16 and float32 models: after loading, every
-linear weight is packed for the matmul kernel (a tied LM head gets its own packed copy of the embedding).
-If the kernels cannot be built, `auto` says so once and runs torch ops; `on` raises instead; `off` always runs
-torch ops.
+`cpu_kernels="auto"` takes the native kernels on the CPU for bfloat16 and float32 models, and for each linear
+weight shape and batch-size bucket the faster of the native matmul and torch's (kernels/autotune.py): a weight is
+packed for the native kernel where it wins, kept as it is where torch does (both, when each wins somewhere; a tied
+LM head's packed copy is its own). `on` runs the native matmul everywhere. If the kernels cannot be built, `auto`
+says so once and runs torch ops; `on` raises instead; `off` always runs torch ops.
 """
 
 from __future__ import annotations
@@ -17,16 +18,34 @@ from torch import nn
 
 from mini_infer.config import CPU_KERNEL_MODES
 from mini_infer.kernels import cpu
+from mini_infer.kernels.autotune import LinearTuner, bucket_index, machine_key, median_ms
 from mini_infer.model.attention import AttentionMetadata, paged_attention
+
+
+@dataclass(frozen=True, slots=True)
+class TunedWeight:
+    """A linear weight in the forms its timed choices need: packed for the native kernel, as it is for torch."""
+
+    packed: cpu.PackedWeight | None
+    dense: torch.Tensor | None
+    winners: tuple[str, ...]  # per autotune bucket: "native" or "torch"
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.packed.data if self.packed else None, self.dense) if t is not None]
 
 
 @dataclass(frozen=True, slots=True)
 class Ops:
     native: bool  # the native CPU kernels run
     note: str  # why, for logs and benchmark reports
+    tuner: LinearTuner | None = None  # with the native kernels: None runs the native matmul everywhere
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor | cpu.PackedWeight,
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | cpu.PackedWeight | TunedWeight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(weight, TunedWeight):
+            if weight.winners[bucket_index(x.shape[0])] == "native":
+                return cpu.linear(x, weight.packed, bias)
+            return F.linear(x, weight.dense, bias)
         if isinstance(weight, cpu.PackedWeight):
             return cpu.linear(x, weight, bias)
         return F.linear(x, weight, bias)
@@ -36,13 +55,18 @@ class Ops:
         return paged_attention(q, k_cache, v_cache, meta, cpu.paged_decode_attention if self.native else None)
 
     def prepare(self, linear_weights: list[tuple[nn.Module, str]]) -> None:
-        """Swap each named linear weight for its packed form when the native kernels run."""
+        """Swap each named linear weight for the forms its matmuls run on when the native kernels run."""
         if not self.native:
             return
         for module, name in linear_weights:
-            weight = getattr(module, name)
+            weight = getattr(module, name).data
             module._parameters.pop(name, None)  # a tied head keeps the embedding registered under its own name
-            setattr(module, name, cpu.pack_weight(weight.data))
+            if self.tuner is None:
+                setattr(module, name, cpu.pack_weight(weight))
+                continue
+            winners = self.tuner.winners(*weight.shape)
+            setattr(module, name, TunedWeight(cpu.pack_weight(weight) if "native" in winners else None,
+                                              weight if "torch" in winners else None, winners))
 
 
 def select_ops(mode: str, dtype: torch.dtype, device: str | torch.device) -> Ops:
@@ -60,4 +84,25 @@ def select_ops(mode: str, dtype: torch.dtype, device: str | torch.device) -> Ops
             raise ValueError(f"cpu_kernels 'on' but the native kernels are unavailable: {reason}")
         warnings.warn(f"native CPU kernels unavailable ({reason}); the model runs torch ops", stacklevel=2)
         return Ops(False, f"torch ops (native CPU kernels unavailable: {reason})")
-    return Ops(True, "native CPU kernels (AVX2 matmul with packed weights, paged decode attention)")
+    if mode == "on":
+        return Ops(True, "native CPU kernels (AVX2 matmul with packed weights, paged decode attention)")
+    tuner = LinearTuner(machine_key(dtype, cpu.gemm_source()), _LinearTimer(dtype))
+    return Ops(True, "native CPU kernels (paged decode attention; per weight shape and batch size, the faster of the "
+                     f"AVX2 matmul and torch's, timed once: {tuner.path})", tuner)
+
+
+class _LinearTimer:
+    """Times one candidate matmul on random data of a weight's shape (the weights made once per shape)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype, self._shape, self._weights = dtype, None, None
+
+    def __call__(self, candidate: str, rows: int, out_features: int, in_features: int) -> float:
+        if self._shape != (out_features, in_features):
+            dense = torch.randn(out_features, in_features).to(self.dtype)
+            self._shape, self._weights = (out_features, in_features), (dense, cpu.pack_weight(dense))
+        dense, packed = self._weights
+        x = torch.randn(rows, in_features).to(self.dtype)
+        if candidate == "native":
+            return median_ms(lambda: cpu.linear(x, packed))
+        return median_ms(lambda: F.linear(x, dense))

@@ -17,7 +17,7 @@ from mini_infer.config import EngineConfig
 from mini_infer.distributed.comm import Comm
 from mini_infer.model.attention import AttentionMetadata
 from mini_infer.model.loader import load_model
-from mini_infer.model.ops import select_ops
+from mini_infer.model.ops import TunedWeight, select_ops
 from mini_infer.runner.input_batch import InputBatch, StepInputs
 from mini_infer.runner.plan import StepPlan
 from mini_infer.runner.sampler import Sampler, SamplerOutput
@@ -111,15 +111,15 @@ class ModelRunner:
 
 
 def _unique_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Every weight the model holds once: its parameters and the packed weights that replaced some of them
-    (a tied head's packed copy is its own tensor)."""
+    """Every weight the model holds once: its parameters and the packed (or autotuned) weights that replaced some
+    of them (a tied head's packed copy is its own tensor)."""
     seen, tensors = set(), []
     for module in model.modules():
         for value in (*module._parameters.values(), *vars(module).values()):
-            tensor = getattr(value, "data", value)
-            if isinstance(tensor, torch.Tensor) and tensor.data_ptr() not in seen:
-                seen.add(tensor.data_ptr())
-                tensors.append(tensor)
+            for tensor in value.tensors() if isinstance(value, TunedWeight) else [getattr(value, "data", value)]:
+                if isinstance(tensor, torch.Tensor) and tensor.data_ptr() not in seen:
+                    seen.add(tensor.data_ptr())
+                    tensors.append(tensor)
     return tensors
 
 

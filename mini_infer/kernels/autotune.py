@@ -1,0 +1,103 @@
+"""Which matmul runs a linear layer on this machine: the native kernel or torch's own (oneDNN, which uses
+AVX512_BF16 or AMX where the CPU has them), timed once per weight shape and batch-size bucket.
+
+The choice is cached on disk, keyed by everything that decides it: the CPU model and its instruction sets, torch's
+version, the kernel's source, the thread count and the dtype. A changed key times again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from mini_infer.paths import cache_dir
+
+# Rows of the activation (tokens in a step): decode batches up to 64, then prefill chunk sizes.
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+CANDIDATES = ("native", "torch")
+_REPS = 5
+_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def bucket_index(rows: int) -> int:
+    """The bucket a matmul of `rows` rows is timed as: the smallest at least as large, else the largest."""
+    for i, size in enumerate(BUCKETS):
+        if rows <= size:
+            return i
+    return len(BUCKETS) - 1
+
+
+def cpu_identity() -> str:
+    """The CPU model and the instruction sets that decide matmul speed, from /proc/cpuinfo."""
+    cpu, flags = "unknown", set()
+    if Path("/proc/cpuinfo").is_file():
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and cpu == "unknown":
+                cpu = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    return f"{cpu} [{','.join(f for f in _FLAGS if f in flags)}]"
+
+
+def machine_key(dtype: torch.dtype, kernel_source: str) -> str:
+    """What the timings depend on besides the shape."""
+    parts = [cpu_identity(), torch.__version__, str(torch.get_num_threads()), str(dtype),
+             hashlib.sha256(kernel_source.encode()).hexdigest()[:16]]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
+
+
+def median_ms(run: Callable[[], object]) -> float:
+    run()  # warm: first-touch pages, oneDNN's primitive cache
+    times = []
+    for _ in range(_REPS):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+class LinearTuner:
+    """Per weight shape, the faster candidate for every bucket, timed on first use and kept in the cache file."""
+
+    def __init__(self, key: str, timer: Callable[[str, int, int, int], float], path: Path | None = None) -> None:
+        """timer(candidate, rows, out_features, in_features) -> ms."""
+        self.timer = timer
+        self.path = path or cache_dir() / "autotune" / f"linear-{key}.json"
+        self._table: dict[str, list[str]] = self._load()
+
+    def _load(self) -> dict[str, list[str]]:
+        try:
+            table = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        valid = isinstance(table, dict) and all(isinstance(v, list) and len(v) == len(BUCKETS) and
+                                                set(v) <= set(CANDIDATES) for v in table.values())
+        return table if valid else {}
+
+    def winners(self, out_features: int, in_features: int) -> tuple[str, ...]:
+        name = f"{out_features}x{in_features}"
+        if name not in self._table:
+            print(f"[mini-infer] timing the matmul paths for a {out_features} x {in_features} weight once "
+                  f"(cached in {self.path.parent})", file=sys.stderr)
+            self._table[name] = [min(CANDIDATES, key=lambda c: self.timer(c, rows, out_features, in_features))
+                                 for rows in BUCKETS]
+            self._save()
+        return tuple(self._table[name])
+
+    def _save(self) -> None:
+        """Atomically, so that ranks tuning at once never read half a file."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(self._table, f, indent=1)
+        os.replace(tmp, self.path)

@@ -1,0 +1,141 @@
+"""The matmul autotuner: its choice per shape and bucket, its cache and what invalidates it, and a model whose
+linear layers switch between the native matmul and torch's by batch size."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mini_infer.engine.llm_engine import LLMEngine
+from mini_infer.kernels import autotune, cpu
+from mini_infer.kernels.autotune import BUCKETS, LinearTuner, bucket_index, machine_key
+from mini_infer.model import ops as ops_module
+from mini_infer.model.ops import TunedWeight
+from conftest import PARITY_CONFIGS, build_hf_model, save_hf_model
+from test_parity import engine_logits
+
+needs_kernels = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+                                   reason="the native kernels need AVX2 + FMA")
+
+
+def split_timer(calls: list):
+    """Native faster below 8 rows, torch from 8 on (as measured on an AVX512_BF16 CPU)."""
+    def timer(candidate, rows, out_features, in_features):
+        calls.append((candidate, rows, out_features, in_features))
+        return 1.0 if (candidate == "native") == (rows < 8) else 2.0
+    return timer
+
+
+def test_the_cpu_identity_names_the_model_and_its_instruction_sets():
+    identity = autotune.cpu_identity()
+    assert identity.endswith("]") and ("avx2" in identity) == (torch.backends.cpu.get_cpu_capability() != "DEFAULT")
+
+
+def test_buckets_cover_every_row_count():
+    assert [bucket_index(r) for r in (1, 2, 3, 8, 9, 64, 65, 512, 10_000)] == [0, 1, 2, 3, 4, 6, 7, 9, 9]
+
+
+def test_the_tuner_keeps_the_faster_candidate_per_bucket_and_caches_it(tmp_path):
+    calls = []
+    path = tmp_path / "linear.json"
+    winners = LinearTuner("k", split_timer(calls), path).winners(48, 32)
+    assert winners == tuple("native" if size < 8 else "torch" for size in BUCKETS)
+    assert len(calls) == 2 * len(BUCKETS) and {c[2:] for c in calls} == {(48, 32)}
+    assert LinearTuner("k", split_timer(calls), path).winners(48, 32) == winners  # from the file: no timing
+    assert len(calls) == 2 * len(BUCKETS)
+    assert json.loads(path.read_text()) == {"48x32": list(winners)}
+
+
+def test_a_damaged_cache_is_timed_again(tmp_path):
+    path = tmp_path / "linear.json"
+    path.write_text('{"48x32": ["native"]}')  # the wrong number of buckets
+    calls = []
+    LinearTuner("k", split_timer(calls), path).winners(48, 32)
+    assert calls
+
+
+def test_the_key_changes_with_what_decides_the_timings(monkeypatch):
+    base = machine_key(torch.bfloat16, "kernel v1")
+    assert machine_key(torch.float32, "kernel v1") != base
+    assert machine_key(torch.bfloat16, "kernel v2") != base
+    monkeypatch.setattr(torch, "__version__", "0.0.0")
+    assert machine_key(torch.bfloat16, "kernel v1") != base
+    monkeypatch.undo()
+    monkeypatch.setattr(autotune, "cpu_identity", lambda: "another CPU [avx2]")
+    assert machine_key(torch.bfloat16, "kernel v1") != base
+    monkeypatch.undo()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert machine_key(torch.bfloat16, "kernel v1") != base
+    finally:
+        torch.set_num_threads(threads)
+    assert machine_key(torch.bfloat16, "kernel v1") == base
+
+
+@needs_kernels
+def test_the_real_timer_times_both_candidates():
+    timer = ops_module._LinearTimer(torch.float32)
+    assert timer("native", 4, 40, 24) > 0 and timer("torch", 4, 40, 24) > 0
+
+
+@needs_kernels
+@pytest.mark.parametrize("winners, forms", [(("native",) * len(BUCKETS), (True, False)),
+                                            (("torch",) * len(BUCKETS), (False, True))])
+def test_a_weight_keeps_only_the_forms_its_winners_need(winners, forms):
+    module = torch.nn.Module()
+    module.weight = torch.nn.Parameter(torch.randn(40, 24))
+    tuned = ops_module.Ops(True, "test", _FixedTuner(winners))
+    tuned.prepare([(module, "weight")])
+    assert isinstance(module.weight, TunedWeight)
+    assert (module.weight.packed is not None, module.weight.dense is not None) == forms
+
+
+class _FixedTuner:
+    def __init__(self, winners):
+        self._winners = winners
+
+    def winners(self, out_features, in_features):
+        return self._winners
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_mixed_winners_dispatch_by_rows_and_match_torch(dtype, tol):
+    ops = ops_module.Ops(True, "test", _FixedTuner(tuple("native" if s < 8 else "torch" for s in BUCKETS)))
+    module = torch.nn.Module()
+    weight = torch.randn(40, 24).to(dtype)
+    module.weight = torch.nn.Parameter(weight.clone())
+    ops.prepare([(module, "weight")])
+    assert module.weight.packed is not None and module.weight.dense is not None
+    for rows in (1, 5, 8, 100):
+        x = torch.randn(rows, 24).to(dtype)
+        torch.testing.assert_close(ops.linear(x, module.weight).double(), F.linear(x, weight).double(),
+                                   rtol=tol, atol=tol)
+
+
+@needs_kernels
+def test_an_autotuned_model_matches_hf_logits_with_both_paths(monkeypatch, tmp_path):
+    """A float32 model under `auto`, its timings faked so that one prefill step (many rows) runs torch's matmul
+    and decode (one row) the native one: prefill logits within the float32 tolerance of HF."""
+    calls = []
+    monkeypatch.setattr(autotune, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(ops_module._LinearTimer, "__call__", lambda self, *args: split_timer(calls)(*args))
+    hf = build_hf_model(seed=3, **PARITY_CONFIGS["tied-1kv"]).float()
+    path = save_hf_model(hf, tmp_path / "model")
+    prompts = [[(7 * i + 3 * j) % 1000 for j in range(n)] for i, n in enumerate((1, 5, 12))]
+    engine = LLMEngine.from_args(str(path), dtype="float32", cpu_kernels="auto", block_size=4)
+    model = engine.runner.model
+    assert calls and all(isinstance(getattr(m, n), TunedWeight) for m, n in model.linear_weights())
+    assert "timed once" in engine.runner.ops.note
+    params = sum(t.numel() for t in (getattr(m, n) for m, n in model.linear_weights()) for t in t.tensors())
+    assert params > sum(p.numel() for p in model.parameters())  # both forms kept where each wins somewhere
+    ours = engine_logits(engine, prompts)
+    for prompt, logits in zip(prompts, ours):
+        with torch.no_grad():
+            expected = hf(torch.tensor([prompt])).logits[0].float()
+        torch.testing.assert_close(logits[:, : expected.shape[-1]].float(), expected, rtol=1e-3, atol=1e-3)
+    assert cpu.PackedWeight not in {type(getattr(m, n)) for m, n in model.linear_weights()}
