@@ -47,7 +47,7 @@ class InputBatch:
         self.slots: dict[str, int] = {}
 
     def update(self, plan: StepPlan) -> list[tuple[int, list[int]]]:
-        """Apply the plan's changes; returns (slot, tokens) of the requests that gained tokens."""
+        """Apply the plan's changes; returns the tokens requests gained, as (slot of each token, tokens)."""
         for request_id in (*plan.finished_ids, *plan.preempted_ids):
             self.slots.pop(request_id, None)
         for new in plan.new_requests:
@@ -56,15 +56,16 @@ class InputBatch:
             self.num_tokens[slot], self.num_computed[slot] = len(new.token_ids), new.num_computed_tokens
             self.block_table[slot, : len(new.block_ids)] = torch.tensor(new.block_ids, dtype=torch.int64)
             self.num_blocks[slot] = len(new.block_ids)
-        gained = [(self.slots[rid], tokens) for rid, tokens in plan.new_token_ids.items()]
-        self._append(gained, self.num_tokens, self.token_ids)
+        gained = self._append([(self.slots[rid], tokens) for rid, tokens in plan.new_token_ids.items()],
+                              self.num_tokens, self.token_ids)
         self._append([(self.slots[rid], blocks) for rid, blocks in plan.new_block_ids.items()], self.num_blocks,
                      self.block_table)
         return gained
 
     @staticmethod
-    def _append(additions: list[tuple[int, list[int]]], lengths: list[int], table: torch.Tensor) -> None:
-        """Write each slot's new values after its current ones, in one index_put."""
+    def _append(additions: list[tuple[int, list[int]]], lengths: list[int],
+                table: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Write each slot's new values after its current ones, in one index_put; (row of each value, values)."""
         rows, cols, values = [], [], []
         for slot, new in additions:
             start = lengths[slot]
@@ -74,6 +75,7 @@ class InputBatch:
             lengths[slot] = start + len(new)
         if rows:
             table.index_put_((torch.tensor(rows), torch.tensor(cols)), torch.tensor(values, dtype=table.dtype))
+        return rows, values
 
     def prepare(self, plan: StepPlan) -> StepInputs:
         """The step's inputs from the batch's rows; counts the scheduled tokens as computed."""

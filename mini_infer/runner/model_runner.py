@@ -58,7 +58,7 @@ class ModelRunner:
         if self.sampler is not None:
             for new in plan.new_requests:
                 self.sampler.add(new)
-            self.sampler.append(*_flatten(gained))
+            self.sampler.append(*gained)
         return batch.prepare(plan) if plan.request_ids else None
 
     def execute(self, plan: StepPlan) -> SamplerOutput | None:
@@ -122,11 +122,3 @@ def _unique_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
                     tensors.append(tensor)
     return tensors
 
-
-def _flatten(gained: list[tuple[int, list[int]]]) -> tuple[list[int], list[int]]:
-    """(slot, tokens) pairs -> one slot per token and the tokens."""
-    slots, tokens = [], []
-    for slot, new in gained:
-        slots += [slot] * len(new)
-        tokens += new
-    return slots, tokens
