@@ -22,10 +22,10 @@ needs_kernels = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not i
 
 
 def split_timer(calls: list):
-    """Native faster below 8 rows, torch from 8 on (as measured on an AVX512_BF16 CPU)."""
+    """AVX2 fastest below 8 rows, torch from 8 on, AVX-512F never."""
     def timer(candidate, rows, out_features, in_features):
         calls.append((candidate, rows, out_features, in_features))
-        return 1.0 if (candidate == "native") == (rows < 8) else 2.0
+        return {"avx2": 1.0 if rows < 8 else 3.0, "torch": 2.0, "avx512": 2.5}[candidate]
     return timer
 
 
@@ -41,19 +41,36 @@ def test_buckets_cover_every_row_count():
 def test_the_tuner_keeps_the_faster_candidate_per_bucket_and_caches_it(tmp_path):
     calls = []
     path = tmp_path / "linear.json"
-    winners = LinearTuner("k", split_timer(calls), path).winners(48, 32)
-    assert winners == tuple("native" if size < 8 else "torch" for size in BUCKETS)
-    assert len(calls) == 2 * len(BUCKETS) and {c[2:] for c in calls} == {(48, 32)}
-    assert LinearTuner("k", split_timer(calls), path).winners(48, 32) == winners  # from the file: no timing
-    assert len(calls) == 2 * len(BUCKETS)
+    tuner = LinearTuner("k", split_timer(calls), ("avx2", "avx512", "torch"), path)
+    winners = tuner.winners(48, 32)
+    assert winners == tuple("avx2" if size < 8 else "torch" for size in BUCKETS)
+    assert len(calls) == 3 * len(BUCKETS) and {c[2:] for c in calls} == {(48, 32)}
+    assert tuner.choices() == {"48x32": list(winners)}
+    again = LinearTuner("k", split_timer(calls), ("avx2", "avx512", "torch"), path)
+    assert again.winners(48, 32) == winners  # from the file: no timing
+    assert len(calls) == 3 * len(BUCKETS)
     assert json.loads(path.read_text()) == {"48x32": list(winners)}
+
+
+def test_the_choices_read_as_runs_of_bucket_sizes():
+    choices = {"40x24": ["avx2", "avx2", "avx512", "avx512", "avx512", "avx512", "avx512", "torch", "torch", "avx512"]}
+    assert autotune.describe_choices(choices) == ["40x24: avx2 at 1-2, avx512 at 4-64, torch at 128-256, avx512 at 512"]
+
+
+def test_a_cache_naming_a_path_this_machine_cannot_run_is_timed_again(tmp_path):
+    """A table written where AVX-512 ran, read where only AVX2 and torch's run (same key: a shared cache dir)."""
+    path = tmp_path / "linear.json"
+    path.write_text(json.dumps({"48x32": ["avx512"] * len(BUCKETS)}))
+    calls = []
+    assert LinearTuner("k", split_timer(calls), ("avx2", "torch"), path).winners(48, 32)[0] == "avx2"
+    assert {c[0] for c in calls} == {"avx2", "torch"}
 
 
 def test_a_damaged_cache_is_timed_again(tmp_path):
     path = tmp_path / "linear.json"
-    path.write_text('{"48x32": ["native"]}')  # the wrong number of buckets
+    path.write_text('{"48x32": ["avx2"]}')  # the wrong number of buckets
     calls = []
-    LinearTuner("k", split_timer(calls), path).winners(48, 32)
+    LinearTuner("k", split_timer(calls), ("avx2", "torch"), path).winners(48, 32)
     assert calls
 
 
@@ -77,21 +94,26 @@ def test_the_key_changes_with_what_decides_the_timings(monkeypatch):
 
 
 @needs_kernels
-def test_the_real_timer_times_both_candidates():
-    timer = ops_module._LinearTimer(torch.float32)
-    assert timer("native", 4, 40, 24) > 0 and timer("torch", 4, 40, 24) > 0
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_real_timer_times_every_candidate_this_cpu_runs(dtype):
+    timer = ops_module._LinearTimer(dtype)
+    runnable = [path for path, why in cpu.matmul_paths(dtype).items() if why is None]
+    assert "avx2" in runnable
+    assert all(timer(candidate, 4, 40, 24) > 0 for candidate in (*runnable, "torch"))
 
 
 @needs_kernels
-@pytest.mark.parametrize("winners, forms", [(("native",) * len(BUCKETS), (True, False)),
-                                            (("torch",) * len(BUCKETS), (False, True))])
-def test_a_weight_keeps_only_the_forms_its_winners_need(winners, forms):
+@pytest.mark.parametrize("winners, layouts, dense", [(("avx2",) * len(BUCKETS), {"panels"}, False),
+                                                    (("torch",) * len(BUCKETS), set(), True),
+                                                    (("avx512_bf16", "avx512") * 5, {"panels", "pairs"}, False),
+                                                    (("avx512_bf16",) * 9 + ("torch",), {"pairs"}, True)])
+def test_a_weight_keeps_only_the_forms_its_winners_need(winners, layouts, dense):
     module = torch.nn.Module()
-    module.weight = torch.nn.Parameter(torch.randn(40, 24))
+    module.weight = torch.nn.Parameter(torch.randn(40, 24).to(torch.bfloat16))
     tuned = ops_module.Ops(True, "test", _FixedTuner(winners))
     tuned.prepare([(module, "weight")])
     assert isinstance(module.weight, TunedWeight)
-    assert (module.weight.packed is not None, module.weight.dense is not None) == forms
+    assert set(module.weight.packed) == layouts and (module.weight.dense is not None) == dense
 
 
 class _FixedTuner:
@@ -105,12 +127,12 @@ class _FixedTuner:
 @needs_kernels
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_mixed_winners_dispatch_by_rows_and_match_torch(dtype, tol):
-    ops = ops_module.Ops(True, "test", _FixedTuner(tuple("native" if s < 8 else "torch" for s in BUCKETS)))
+    ops = ops_module.Ops(True, "test", _FixedTuner(tuple("avx2" if s < 8 else "torch" for s in BUCKETS)))
     module = torch.nn.Module()
     weight = torch.randn(40, 24).to(dtype)
     module.weight = torch.nn.Parameter(weight.clone())
     ops.prepare([(module, "weight")])
-    assert module.weight.packed is not None and module.weight.dense is not None
+    assert module.weight.packed and module.weight.dense is not None
     for rows in (1, 5, 8, 100):
         x = torch.randn(rows, 24).to(dtype)
         torch.testing.assert_close(ops.linear(x, module.weight).double(), F.linear(x, weight).double(),
@@ -120,7 +142,7 @@ def test_mixed_winners_dispatch_by_rows_and_match_torch(dtype, tol):
 @needs_kernels
 def test_an_autotuned_model_matches_hf_logits_with_both_paths(monkeypatch, tmp_path):
     """A float32 model under `auto`, its timings faked so that one prefill step (many rows) runs torch's matmul
-    and decode (one row) the native one: prefill logits within the float32 tolerance of HF."""
+    and decode (one row) the AVX2 one: prefill logits within the float32 tolerance of HF."""
     calls = []
     monkeypatch.setattr(autotune, "cache_dir", lambda: tmp_path)
     monkeypatch.setattr(ops_module._LinearTimer, "__call__", lambda self, *args: split_timer(calls)(*args))

@@ -19,6 +19,7 @@ from mini_infer.bench.systems import SYSTEM_NAMES, SystemFactory
 from mini_infer.config import ModelConfig
 from mini_infer.entrypoints.cli import main
 from mini_infer.factory import PRESETS, parameter_count
+from mini_infer.kernels.autotune import BUCKETS, CANDIDATES
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -56,6 +57,12 @@ def test_fixed_workload_writes_table_json_and_chart(tiny_model_dir, tmp_path, ca
             assert result["tok_s"]["median"] > 0 and result["pct_of_roofline"] > 0
             assert result["speedup_vs_hf_generate"] > 0
         assert name in printed
+    choices = report["systems"]["mini-infer"]["setup"]["matmul_choices"]
+    config = ModelConfig.from_dir(tiny_model_dir)
+    assert f"{config.vocab_size}x{config.hidden_size}" in choices  # the LM head's shape, among the layers'
+    assert all(len(winners) == len(BUCKETS) and set(winners) <= set(CANDIDATES) for winners in choices.values())
+    assert "mini-infer matmul per weight shape and batch-size bucket (autotuned):" in printed
+    assert "mini-infer kernels: native CPU kernels" in printed
     assert (out / "fixed.png").read_bytes().startswith(PNG_MAGIC)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -31,6 +32,15 @@ def test_generate_streams_text_and_reports_speed(tiny_model_dir, capsys):
     assert code == 0
     assert "[mini-infer] 6 tokens, finish_reason=length" in captured.err
     assert "tok/s" in captured.err
+    assert "kernels:" not in captured.err
+
+
+def test_generate_verbose_names_the_kernels_and_the_matmul_choices(tiny_model_dir, capsys):
+    assert main(["generate", "--model", str(tiny_model_dir), "Hi", "--max-tokens", "2", "--ignore-eos", "-v",
+                 "--dtype", "float32"]) == 0
+    err = capsys.readouterr().err
+    assert "[mini-infer] kernels: native CPU kernels" in err
+    assert re.search(r"\[mini-infer\] matmul \d+x\d+: (avx2|avx512|torch) at 1", err)
 
 
 def test_generate_without_model_uses_the_cached_default(tiny_model_dir, tmp_path, monkeypatch, capsys):

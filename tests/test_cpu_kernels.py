@@ -1,5 +1,5 @@
-"""The native CPU kernels against float64 references: the matmul over every tile and tail shape, decode attention
-over paged caches."""
+"""The native CPU kernels against float64 references: each matmul path over every tile and tail shape, decode
+attention over paged caches. A path this CPU lacks is skipped with the reason."""
 
 from __future__ import annotations
 
@@ -13,39 +13,84 @@ pytestmark = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in (
                                 reason="the native kernels need AVX2 + FMA")
 
 
+PATHS = tuple(cpu.MATMUL_PATHS)
+
+
+def skip_unless_runs(path: str, dtype: torch.dtype) -> None:
+    why = cpu.matmul_paths(dtype)[path]
+    if why is not None:
+        pytest.skip(f"the {path} matmul does not run here: {why}")
+
+
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     out = x.double() @ weight.double().T
     return out + bias.double() if bias is not None else out
 
 
-# M covers 1-3 rows (several panels per tile), 6-row tiles and every remainder; N covers whole and partial
-# 16-column panels and panel groups with a remainder; K any length.
-@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows,cols,inner", [(1, 1, 1), (1, 7, 9), (1, 80, 64), (2, 50, 16), (3, 33, 8), (4, 2, 31),
-                                             (5, 10, 64), (6, 16, 5), (7, 11, 100), (9, 4, 7), (16, 896, 896),
-                                             (70, 13, 896), (130, 151, 40)])
+# M covers 1-5 rows (several panels per tile), 6-row tiles and every remainder; N covers whole and partial
+# 16-column panels and panel groups with a remainder; K any length (odd: a bf16 pair's zero half).
+SHAPES = [(1, 1, 1), (1, 7, 9), (1, 80, 64), (1, 200, 33), (2, 50, 16), (2, 120, 7), (3, 33, 8), (3, 110, 65),
+          (4, 2, 31), (4, 90, 12), (5, 10, 64), (5, 70, 3), (6, 16, 5), (7, 11, 100), (9, 4, 7), (16, 896, 896),
+          (70, 13, 896), (130, 151, 40)]
+
+
+@pytest.mark.parametrize("path,weight_dtype", [(path, dtype) for path in PATHS for dtype in cpu.DTYPES
+                                               if path != "avx512_bf16" or dtype == torch.bfloat16])
+@pytest.mark.parametrize("rows,cols,inner", SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_float64_matmul(weight_dtype, rows, cols, inner, with_bias):
+def test_matches_float64_matmul(path, weight_dtype, rows, cols, inner, with_bias):
+    """float32 activations; on avx512_bf16 (bf16 only) the activations are bf16 and the error is the output's
+    rounding to bf16."""
+    skip_unless_runs(path, weight_dtype)
     gen = torch.Generator().manual_seed(rows * 1000 + cols * 10 + inner)
     x = torch.randn(rows, inner, generator=gen)
+    if path == "avx512_bf16":
+        x = x.to(torch.bfloat16)
     weight = torch.randn(cols, inner, generator=gen).to(weight_dtype)
     bias = torch.randn(cols, generator=gen).to(weight_dtype) if with_bias else None
-    out = cpu.linear(x, cpu.pack_weight(weight), bias)
-    assert out.dtype == torch.float32 and out.shape == (rows, cols)
+    out = cpu.linear(x, cpu.pack_weight(weight, cpu.MATMUL_PATHS[path][0]), bias, path)
+    assert out.dtype == x.dtype and out.shape == (rows, cols)
     expected = reference(x, weight, bias)
-    # float32 accumulation over `inner` products: error grows like sqrt(inner) * eps * |terms|.
     scale = (x.double().abs() @ weight.double().abs().T).max().item() + 1.0
-    assert (out.double() - expected).abs().max().item() <= 4e-7 * inner**0.5 * scale
+    error = (out.double() - expected).abs()
+    if x.dtype == torch.bfloat16:
+        # bf16 products are exact in float32; the sum's float32 error is far below the output's bf16 rounding
+        # (half an ulp: 2**-8 of the value), which bounds the difference.
+        assert (error <= expected.abs() * 2**-8 + 1e-6 * inner**0.5 * scale).all()
+    else:
+        # float32 accumulation over `inner` products: error grows like sqrt(inner) * eps * |terms|.
+        assert error.max().item() <= 4e-7 * inner**0.5 * scale
 
 
-def test_bfloat16_activations_come_back_in_bfloat16():
+@pytest.mark.parametrize("path", PATHS)
+def test_bfloat16_activations_come_back_in_bfloat16(path):
+    skip_unless_runs(path, torch.bfloat16)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
     weight = torch.randn(20, 64, generator=gen).to(torch.bfloat16)
-    out = cpu.linear(x, cpu.pack_weight(weight))
+    out = cpu.linear(x, cpu.pack_weight(weight, cpu.MATMUL_PATHS[path][0]), None, path)
     assert out.dtype == torch.bfloat16
     expected = reference(x, weight, None)
     torch.testing.assert_close(out.double(), expected.to(torch.bfloat16).double(), rtol=1e-2, atol=1e-2)
+
+
+def test_nan_and_ties_round_like_torch():
+    """The AVX-512 kernels round their float32 sums to bf16 as torch does (nearest even, NaN stays NaN)."""
+    skip_unless_runs("avx512", torch.bfloat16)
+    # One input column and a weight of one: the output is x itself, after the kernel's float32 -> bf16 rounding.
+    x = torch.tensor([[1.0 + 2**-8], [1.0 + 3 * 2**-8], [float("nan")], [-3.0 - 2**-7 - 2**-9]]).to(torch.float32)
+    weight = torch.ones(1, 1)
+    out = cpu.linear(x.to(torch.bfloat16), cpu.pack_weight(weight.to(torch.bfloat16)), None, "avx512")
+    exact = cpu.linear(x, cpu.pack_weight(weight), None, "avx512").to(torch.bfloat16)
+    assert torch.equal(out.isnan(), exact.isnan()) and torch.equal(out[:2], exact[:2])
+
+
+def test_a_path_refuses_a_weight_of_another_layout():
+    weight = torch.randn(20, 64).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="on path 'avx512_bf16' does not match a panels weight"):
+        cpu.linear(torch.randn(2, 64).to(torch.bfloat16), cpu.pack_weight(weight), None, "avx512_bf16")
+    with pytest.raises(ValueError, match="'pairs' for a bfloat16 weight"):
+        cpu.pack_weight(weight.float(), "pairs")
 
 
 def test_non_contiguous_input_is_read_correctly():
@@ -58,7 +103,7 @@ def test_non_contiguous_input_is_read_correctly():
 def test_rejects_weights_it_cannot_read():
     with pytest.raises(ValueError, match="packs 2-d CPU bfloat16/float32 weights"):
         cpu.pack_weight(torch.randn(3, 4, dtype=torch.float64))
-    with pytest.raises(ValueError, match="does not match a weight of 3 x 4"):
+    with pytest.raises(ValueError, match="does not match a panels weight of 3 x 4"):
         cpu.linear(torch.randn(2, 5), cpu.pack_weight(torch.randn(3, 4)))
 
 

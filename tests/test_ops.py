@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -53,3 +55,33 @@ def test_unavailable_kernels_are_announced_never_silent(monkeypatch):
 def test_engine_config_rejects_unknown_mode(tiny_model_dir):
     with pytest.raises(ValueError, match="cpu_kernels must be one of auto, on, off"):
         EngineConfig(model=str(tiny_model_dir), cpu_kernels="fast")
+
+
+@needs_kernels
+def test_a_matmul_path_that_fails_to_build_is_left_out_and_named(monkeypatch):
+    """The AVX-512F build broken (a compiler flag it rejects; a failed build caches nothing): auto times the paths
+    that remain, its note says which path is missing and why, and `on` takes the best remaining one."""
+    broken = dataclasses.replace(cpu._KERNELS["gemm_avx512"], flags=["-mno-such-instruction-set"],
+                                 needs=("avx2",))
+    monkeypatch.setitem(cpu._KERNELS, "gemm_avx512", broken)
+    cpu._function.cache_clear()
+    try:
+        paths = cpu.matmul_paths(torch.float32)
+        assert paths["avx2"] is None and "failed to build cpu_gemm_avx512.cpp" in paths["avx512"]
+        chosen = select_ops("auto", torch.float32, "cpu")
+        assert chosen.tuner.candidates == ("avx2", "torch")
+        assert "not here: avx512: g++ failed to build cpu_gemm_avx512.cpp" in chosen.note
+        assert select_ops("on", torch.float32, "cpu").path == "avx2"
+    finally:
+        cpu._function.cache_clear()
+
+
+def test_a_path_the_cpu_lacks_is_named(monkeypatch):
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    cpu._function.cache_clear()
+    try:
+        paths = cpu.matmul_paths(torch.bfloat16)
+        assert paths["avx512_bf16"] == ("the CPU lacks avx512f, avx512bw, avx512vl, avx512_bf16 (needed by "
+                                        "gemm_avx512bf16)")
+    finally:
+        cpu._function.cache_clear()

@@ -35,7 +35,9 @@ def test_profile_prints_every_row_and_writes_json(tiny_model_dir, tmp_path, caps
     printed = capsys.readouterr().out
     assert all(name in printed for name in ROWS)
     assert "step total" in printed and "without the profiler" in printed
+    assert "kernels: native CPU kernels" in printed and "(autotuned):" in printed
     result = json.loads((out / "profile.json").read_text())
+    assert result["matmul_choices"] and "timed once" in result["kernels"]
     assert (result["batch_size"], result["steps"], result["dtype"]) == (2, 2, "float32")
     # 4 prompt tokens + the prefill's token + 2 warm-up + 2 unprofiled decode steps precede the profiled ones
     assert result["context_len"] == 9

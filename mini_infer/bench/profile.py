@@ -15,6 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 from mini_infer.bench.report import Column, format_table
 from mini_infer.engine.arg_utils import EngineArgs
 from mini_infer.engine.llm_engine import LLMEngine
+from mini_infer.kernels.autotune import describe_choices
 from mini_infer.sampling_params import RequestOutputKind, SamplingParams
 
 # Ranges the engine labels; "forward" encloses kv_write, attention and lm_head, the rest are disjoint.
@@ -98,8 +99,9 @@ def profile_decode_step(engine, batch_size: int, *, prompt_len: int = 32, decode
         prof.export_chrome_trace(str(trace_path))
     step_ms = 1000 * statistics.fmean(profiled)
     rows = _component_rows(_label_totals_ms(prof.events(), steps), step_ms)
-    config = engine.config
+    config, stats = engine.config, engine.memory_stats()[0]
     return {
+        "kernels": stats["kernels"], "matmul_choices": stats["matmul_choices"],
         "model": str(config.model), "dtype": str(config.torch_dtype).removeprefix("torch."),
         "device": str(config.device), "batch_size": batch_size, "prompt_len": prompt_len,
         "decode_steps_before": decode_steps_before, "context_len": context_len, "steps": steps,
@@ -202,4 +204,8 @@ def profile_table(result: dict) -> str:
              "adds the difference; read the rows as shares of the step)"]
     if result["device"] != "cpu":
         lines.append("CPU-side ranges only: asynchronous accelerator work is counted where the host waits for it")
+    lines.append(f"kernels: {result['kernels']}")
+    if result["matmul_choices"]:
+        lines += ["matmul per weight shape and batch-size bucket (autotuned):",
+                  *(f"  {line}" for line in describe_choices(result["matmul_choices"]))]
     return "\n".join(lines)

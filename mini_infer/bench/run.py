@@ -12,6 +12,7 @@ from mini_infer.bench.parallel import PARALLEL
 from mini_infer.bench.report import Workload, describe_machine, format_table, machine_info, versions, write_json
 from mini_infer.bench.throughput import FIXED, RANDOM
 from mini_infer.config import ModelConfig
+from mini_infer.kernels.autotune import describe_choices
 
 WORKLOADS = {  # one per options.WORKLOADS name
     "fixed": FIXED, "random": RANDOM, "parallel": PARALLEL, "shared-prefix": SHARED_PREFIX,
@@ -37,12 +38,22 @@ def run_bench(options: BenchOptions, model_dir: str) -> None:
 
 
 def table(workload: Workload, report: dict) -> str:
-    """The headline with the machine's line after its first line, the table, and the systems that were skipped."""
+    """The headline with the machine's line after its first line, the table, the systems that were skipped, and
+    the kernels mini-infer ran (the autotuner's matmul choices)."""
     lines = workload.headline(report)
     lines.insert(1, describe_machine(report["machine"]))
-    skipped = [f"{name}: skipped ({system['reason']})" for name, system in report.get("systems", {}).items()
+    systems = report.get("systems", {})
+    skipped = [f"{name}: skipped ({system['reason']})" for name, system in systems.items()
                if system["reason"] is not None]
-    return "\n".join([*lines, "", format_table(workload.columns, workload.rows(report)), *skipped])
+    kernels = []
+    for name, system in systems.items():
+        setup = system.get("setup") or {}
+        if "kernels" in setup:
+            kernels += ["", f"{name} kernels: {setup['kernels']}"]
+        if setup.get("matmul_choices"):
+            kernels += [f"{name} matmul per weight shape and batch-size bucket (autotuned):",
+                        *(f"  {line}" for line in describe_choices(setup["matmul_choices"]))]
+    return "\n".join([*lines, "", format_table(workload.columns, workload.rows(report)), *skipped, *kernels])
 
 
 def _check_lengths(options: BenchOptions, model_dir: str) -> None:

@@ -50,6 +50,11 @@ class MiniInferSystem:
                 token_ids[i], finish_s[i] = output.outputs[0].token_ids, time.perf_counter() - start
         return RunResult(token_ids, finish_s, time.perf_counter() - start)
 
+    def describe(self) -> dict:
+        """The kernels the engine's model runs (rank 0 of replica 0): note and autotuned matmul choices."""
+        stats = self.engine.memory_stats()[0]
+        return {"kernels": stats["kernels"], "matmul_choices": stats["matmul_choices"]}
+
     def close(self) -> None:
         self.engine.shutdown()
 
@@ -94,16 +99,17 @@ class Case:
 
 def run_systems(factory: SystemFactory, names: list[str], cases: list[Case], reps: int,
                 log: Callable[[str], None]) -> dict[str, dict]:
-    """Per system {"reason": None, "runs": {case label: [RunResult per rep]}}, each case after a warm-up run;
-    an optional system that fails gets {"reason": its one-line error, "runs": {}}, other failures propagate."""
+    """Per system {"reason": None, "runs": {case label: [RunResult per rep]}, "setup": what it describes of itself
+    after the runs (mini-infer: its kernels)}, each case after a warm-up run; an optional system that fails gets
+    {"reason": its one-line error, "runs": {}, "setup": {}}, other failures propagate."""
     records = {}
     for name in names:
         log(f"{name}: loading")
         try:
             system = factory.build(name)
             try:
-                records[name] = {"reason": None, "runs": {case.label: _timed(name, system, case, reps, log)
-                                                          for case in cases}}
+                runs = {case.label: _timed(name, system, case, reps, log) for case in cases}
+                records[name] = {"reason": None, "runs": runs, "setup": getattr(system, "describe", dict)()}
             finally:
                 system.close()
         except Exception as error:
@@ -111,7 +117,7 @@ def run_systems(factory: SystemFactory, names: list[str], cases: list[Case], rep
                 raise
             lines = str(error).strip().splitlines()
             records[name] = {"reason": f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__,
-                             "runs": {}}
+                             "runs": {}, "setup": {}}
             log(f"{name} skipped: {records[name]['reason']}")
     return records
 

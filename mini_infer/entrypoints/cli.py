@@ -45,6 +45,8 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("-v", "--verbose", action="store_true",
+                     help="also print the kernels the model runs and the autotuner's matmul choices")
     for flag, (kind, _) in _SAMPLING_FLAGS.items():
         gen.add_argument(flag, type=kind, default=None, help="default: the model's generation_config.json")
     EngineArgs.add_cli_args(gen)
@@ -147,6 +149,13 @@ def _generate(args) -> int:
     print(f"\n[mini-infer] {num_tokens} tokens, finish_reason={finish_reason}; "
           f"first token {1000 * (first_token_at - start):.0f} ms, decode {decode_rate:.1f} tok/s "
           f"({engine.config.torch_dtype}, {engine.config.device})", file=sys.stderr)
+    if args.verbose:
+        from mini_infer.kernels.autotune import describe_choices
+
+        stats = engine.memory_stats()[0]
+        print(f"[mini-infer] kernels: {stats['kernels']}", file=sys.stderr)
+        for line in describe_choices(stats["matmul_choices"] or {}):
+            print(f"[mini-infer] matmul {line}", file=sys.stderr)
     return 0
 
 

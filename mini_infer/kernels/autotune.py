@@ -1,5 +1,6 @@
-"""Which matmul runs a linear layer on this machine: the native kernel or torch's own (oneDNN, which uses
-AVX512_BF16 or AMX where the CPU has them), timed once per weight shape and batch-size bucket.
+"""Which matmul runs a linear layer on this machine: one of the native kernels that run here (AVX2, AVX-512F,
+AVX512_BF16) or torch's own (oneDNN, which uses AVX512_BF16 or AMX where the CPU has them), timed once per weight
+shape and batch-size bucket.
 
 The choice is cached on disk, keyed by everything that decides it: the CPU model and its instruction sets, torch's
 version, the kernel's source, the thread count and the dtype. A changed key times again.
@@ -23,7 +24,8 @@ from mini_infer.paths import cache_dir
 
 # Rows of the activation (tokens in a step): decode batches up to 64, then prefill chunk sizes.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-CANDIDATES = ("native", "torch")
+# Every candidate name a cached table may hold (a machine times the ones it can run).
+CANDIDATES = ("avx2", "avx512", "avx512_bf16", "torch")
 _REPS = 5
 _SLOW_S = 0.02
 _FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
@@ -73,9 +75,11 @@ def median_ms(run: Callable[[], object]) -> float:
 class LinearTuner:
     """Per weight shape, the faster candidate for every bucket, timed on first use and kept in the cache file."""
 
-    def __init__(self, key: str, timer: Callable[[str, int, int, int], float], path: Path | None = None) -> None:
-        """timer(candidate, rows, out_features, in_features) -> ms."""
-        self.timer = timer
+    def __init__(self, key: str, timer: Callable[[str, int, int, int], float], candidates: tuple[str, ...],
+                 path: Path | None = None) -> None:
+        """timer(candidate, rows, out_features, in_features) -> ms, for each of `candidates`."""
+        assert set(candidates) <= set(CANDIDATES), candidates
+        self.timer, self.candidates = timer, candidates
         self.path = path or cache_dir() / "autotune" / f"linear-{key}.json"
         self._table: dict[str, list[str]] = self._load()
 
@@ -85,7 +89,7 @@ class LinearTuner:
         except (OSError, ValueError):
             return {}
         valid = isinstance(table, dict) and all(isinstance(v, list) and len(v) == len(BUCKETS) and
-                                                set(v) <= set(CANDIDATES) for v in table.values())
+                                                set(v) <= set(self.candidates) for v in table.values())
         return table if valid else {}
 
     def winners(self, out_features: int, in_features: int) -> tuple[str, ...]:
@@ -93,10 +97,14 @@ class LinearTuner:
         if name not in self._table:
             print(f"[mini-infer] timing the matmul paths for a {out_features} x {in_features} weight once "
                   f"(cached in {self.path.parent})", file=sys.stderr)
-            self._table[name] = [min(CANDIDATES, key=lambda c: self.timer(c, rows, out_features, in_features))
+            self._table[name] = [min(self.candidates, key=lambda c: self.timer(c, rows, out_features, in_features))
                                  for rows in BUCKETS]
             self._save()
         return tuple(self._table[name])
+
+    def choices(self) -> dict[str, list[str]]:
+        """Per weight shape ("NxK") timed so far, the winner of every bucket (BUCKETS), for reports."""
+        return {name: list(winners) for name, winners in self._table.items()}
 
     def _save(self) -> None:
         """Atomically, so that ranks tuning at once never read half a file."""
@@ -105,3 +113,19 @@ class LinearTuner:
         with os.fdopen(fd, "w") as f:
             json.dump(self._table, f, indent=1)
         os.replace(tmp, self.path)
+
+
+def describe_choices(choices: dict[str, list[str]]) -> list[str]:
+    """One line per weight shape: each winner with the bucket sizes it won, e.g. "896x896: avx2 at 1-2, torch at
+    4-512" (a bucket of size b covers the row counts above the previous bucket up to b)."""
+    lines = []
+    for shape, winners in choices.items():
+        runs: list[tuple[str, int, int]] = []
+        for size, winner in zip(BUCKETS, winners):
+            if runs and runs[-1][0] == winner:
+                runs[-1] = (winner, runs[-1][1], size)
+            else:
+                runs.append((winner, size, size))
+        spans = ", ".join(f"{w} at {lo}" if lo == hi else f"{w} at {lo}-{hi}" for w, lo, hi in runs)
+        lines.append(f"{shape}: {spans}")
+    return lines

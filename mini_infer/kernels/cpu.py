@@ -1,10 +1,11 @@
-"""mini-infer's native CPU kernels (AVX2 + FMA, OpenMP): matmuls and paged decode attention; and the shared-memory
-all-reduce of tensor-parallel ranks on one machine.
+"""mini-infer's native CPU kernels (OpenMP): matmuls for AVX2 + FMA, AVX-512F and AVX512_BF16, paged decode attention;
+and the shared-memory all-reduce of tensor-parallel ranks on one machine.
 
 torch's CPU matmul in bfloat16 is only fast where the CPU has native bf16 instructions (AVX512-BF16, AMX);
-elsewhere it runs near 18 GFLOP/s. These kernels widen bf16 to float32 in registers instead, so they read each
-weight byte once and compute at the float32 FMA rate; at decode sizes they also beat MKL in float32. Where
-torch's is faster, kernels/autotune.py finds out and the model runs torch's instead.
+elsewhere it runs near 18 GFLOP/s. The AVX2 and AVX-512F kernels widen bf16 to float32 in registers instead, so
+they read each weight byte once and compute at the float32 FMA rate; the AVX512_BF16 one multiplies bf16 pairs
+with `vdpbf16ps`. kernels/autotune.py times them against torch's per weight shape and batch size, and the model
+runs the fastest.
 """
 
 from __future__ import annotations
@@ -19,79 +20,153 @@ import torch
 
 from mini_infer.kernels.build import KernelUnavailable, build_library
 
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17"]
+_BASE_FLAGS = ["-O3", "-fopenmp", "-std=c++17"]
+_AVX2 = [*_BASE_FLAGS, "-mavx2", "-mfma"]
+_AVX512 = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl"]
 DTYPES = (torch.bfloat16, torch.float32)
 _CODES = {torch.float32: 0, torch.bfloat16: 1}
-PANEL = 16  # output columns per panel of a packed weight (cpu_gemm.cpp)
+PANEL = 16  # output columns per panel of a packed weight (cpu_gemm*.cpp)
 _P, _I, _F, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
-_SIGNATURES = {  # source file -> (function, argument types, result type)
-    "cpu_gemm.cpp": ("gemm", [_P, _I] * 4 + [_I] * 4, None),
-    "cpu_attention.cpp": ("paged_decode_attention", [_P] * 6 + [_I] * 8 + [_F, _I], None),
-    "shm_allreduce.cpp": ("shm_allreduce", [_P, _I, _I, _L, ctypes.c_int64, _P, _I, _L], _L),
+
+
+@dataclass(frozen=True, slots=True)
+class _Kernel:
+    source: str
+    function: str
+    argtypes: list
+    restype: type | None
+    flags: list[str]
+    needs: tuple[str, ...]  # /proc/cpuinfo flags the build's instructions need
+
+
+_KERNELS = {
+    "gemm": _Kernel("cpu_gemm.cpp", "gemm", [_P, _I] * 4 + [_I] * 4, None, _AVX2, ("avx2", "fma")),
+    "gemm_avx512": _Kernel("cpu_gemm_avx512.cpp", "gemm_avx512", [_P, _I] * 4 + [_I] * 4, None,
+                           [*_AVX512, "-DGEMM_BF16=0"], ("avx2", "fma", "avx512f", "avx512bw", "avx512vl")),
+    "gemm_avx512bf16": _Kernel("cpu_gemm_avx512.cpp", "gemm_avx512bf16", [_P, _P, _P, _I, _P] + [_I] * 5, None,
+                               [*_AVX512, "-mavx512bf16", "-DGEMM_BF16=1"],
+                               ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16")),
+    "paged_decode_attention": _Kernel("cpu_attention.cpp", "paged_decode_attention", [_P] * 6 + [_I] * 8 + [_F, _I],
+                                      None, _AVX2, ("avx2", "fma")),
+    "shm_allreduce": _Kernel("shm_allreduce.cpp", "shm_allreduce", [_P, _I, _I, _L, ctypes.c_int64, _P, _I, _L], _L,
+                             _AVX2, ("avx2", "fma")),
 }
+# The kernels that must build for cpu_kernels to run natively; the AVX-512 matmuls are extra paths where the CPU
+# has them (MATMUL_PATHS).
+_BASE = ("gemm", "paged_decode_attention", "shm_allreduce")
+# Native matmul paths, the weight layout each reads, and its kernel.
+MATMUL_PATHS = {"avx2": ("panels", "gemm"), "avx512": ("panels", "gemm_avx512"),
+                "avx512_bf16": ("pairs", "gemm_avx512bf16")}
 
 
 @functools.cache
-def _function(source: str):
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in ("AVX2", "AVX512"):
-        raise KernelUnavailable(f"the CPU lacks AVX2 + FMA (torch reports {capability})")
-    name, argtypes, restype = _SIGNATURES[source]
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set flags /proc/cpuinfo lists (empty where there is none)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    for line in cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []:
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()
+
+
+@functools.cache
+def _function(name: str):
+    kernel = _KERNELS[name]
+    missing = [flag for flag in kernel.needs if flag not in cpu_flags()]
+    if missing:
+        raise KernelUnavailable(f"the CPU lacks {', '.join(missing)} (needed by {kernel.function})")
     here = Path(__file__).parent
-    function = getattr(build_library(here / source, FLAGS, headers=(here / "bf16.h",)), name)
-    function.argtypes, function.restype = argtypes, restype
+    function = getattr(build_library(here / kernel.source, kernel.flags, headers=(here / "bf16.h",)), kernel.function)
+    function.argtypes, function.restype = kernel.argtypes, kernel.restype
     return function
 
 
 def gemm_source() -> str:
-    """The matmul kernel's source (a changed kernel re-times the autotuner's choices)."""
+    """The matmul kernels' sources (a changed kernel re-times the autotuner's choices)."""
     here = Path(__file__).parent
-    return (here / "cpu_gemm.cpp").read_text() + (here / "bf16.h").read_text()
+    return "".join((here / name).read_text() for name in ("cpu_gemm.cpp", "cpu_gemm_avx512.cpp", "bf16.h"))
 
 
 def unavailable_reason() -> str | None:
-    """None when every kernel builds and loads here, else why not."""
+    """None when every base kernel builds and loads here, else why not."""
     try:
-        for source in _SIGNATURES:
-            _function(source)
+        for name in _BASE:
+            _function(name)
     except KernelUnavailable as e:
         return str(e)
     return None
 
 
+def matmul_paths(dtype: torch.dtype) -> dict[str, str | None]:
+    """Each native matmul path for a model of `dtype`: None where it runs here, else why not (AVX512_BF16
+    multiplies bf16 only)."""
+    paths = {}
+    for path, (_, kernel) in MATMUL_PATHS.items():
+        if path == "avx512_bf16" and dtype != torch.bfloat16:
+            paths[path] = "bf16 products only (the model is float32)"
+            continue
+        try:
+            _function(kernel)
+            paths[path] = None
+        except KernelUnavailable as e:
+            paths[path] = str(e)
+    return paths
+
+
 @dataclass(frozen=True, slots=True)
 class PackedWeight:
-    """A linear weight [N, K] laid out for the matmul kernel: panels of 16 output columns, [ceil(N/16), K, 16]."""
+    """A linear weight [N, K] laid out for a native matmul: `panels` of 16 output columns, [ceil(N/16), K, 16]
+    (the AVX2 and AVX-512F kernels), or `pairs`, [ceil(N/16), ceil(K/2), 16, 2] bfloat16 (AVX512_BF16)."""
 
     data: torch.Tensor
     out_features: int
+    in_features: int
+    layout: str = "panels"
 
     @property
     def dtype(self) -> torch.dtype:
         return self.data.dtype
 
 
-def pack_weight(weight: torch.Tensor) -> PackedWeight:
+def pack_weight(weight: torch.Tensor, layout: str = "panels") -> PackedWeight:
     if weight.dim() != 2 or weight.dtype not in DTYPES or weight.device.type != "cpu":
         raise ValueError(f"cpu linear packs 2-d CPU bfloat16/float32 weights, got {tuple(weight.shape)} "
                          f"{weight.dtype} on {weight.device}")
+    if layout not in ("panels", "pairs") or (layout == "pairs" and weight.dtype != torch.bfloat16):
+        raise ValueError(f"layout must be 'panels', or 'pairs' for a bfloat16 weight; got {layout!r} for "
+                         f"{weight.dtype}")
     out_features, in_features = weight.shape
     panels = -(-out_features // PANEL)
-    padded = torch.nn.functional.pad(weight, (0, 0, 0, panels * PANEL - out_features))
-    return PackedWeight(padded.view(panels, PANEL, in_features).transpose(1, 2).contiguous(), out_features)
+    if layout == "panels":
+        padded = torch.nn.functional.pad(weight, (0, 0, 0, panels * PANEL - out_features))
+        data = padded.view(panels, PANEL, in_features).transpose(1, 2)
+    else:
+        pairs = -(-in_features // 2)
+        padded = torch.nn.functional.pad(weight, (0, 2 * pairs - in_features, 0, panels * PANEL - out_features))
+        data = padded.view(panels, PANEL, pairs, 2).transpose(1, 2)
+    return PackedWeight(data.contiguous(), out_features, in_features, layout)
 
 
-def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight.T + bias -> [M, N] in x's dtype (float32 or bfloat16); arithmetic in float32."""
-    if x.dim() != 2 or x.shape[1] != weight.data.shape[1] or x.dtype not in DTYPES:
-        raise ValueError(f"cpu linear: x {tuple(x.shape)} {x.dtype} does not match a weight of "
-                         f"{weight.out_features} x {weight.data.shape[1]}")
+def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None,
+           path: str = "avx2") -> torch.Tensor:
+    """x [M, K] @ weight.T + bias -> [M, N] in x's dtype (float32 or bfloat16) through a native path (its weight
+    in that path's layout); arithmetic in float32, or bf16 products summed in float32 on `avx512_bf16`."""
+    if (x.dim() != 2 or x.shape[1] != weight.in_features or x.dtype not in DTYPES
+            or MATMUL_PATHS.get(path, ("",))[0] != weight.layout
+            or (path == "avx512_bf16" and x.dtype != torch.bfloat16)):
+        raise ValueError(f"cpu linear: x {tuple(x.shape)} {x.dtype} on path {path!r} does not match a "
+                         f"{weight.layout} weight of {weight.out_features} x {weight.in_features}")
     x = x.contiguous()
     out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)
     bias_args = (bias.contiguous().data_ptr(), _CODES[bias.dtype]) if bias is not None else (None, 0)
-    _function("cpu_gemm.cpp")(x.data_ptr(), _CODES[x.dtype], weight.data.data_ptr(), _CODES[weight.dtype],
-                              *bias_args, out.data_ptr(), _CODES[x.dtype], x.shape[0], weight.out_features,
-                              x.shape[1], torch.get_num_threads())
+    sizes = (x.shape[0], weight.out_features, x.shape[1], torch.get_num_threads())
+    if path == "avx512_bf16":
+        _function("gemm_avx512bf16")(x.data_ptr(), weight.data.data_ptr(), *bias_args, out.data_ptr(),
+                                     _CODES[x.dtype], *sizes)
+    else:
+        _function(MATMUL_PATHS[path][1])(x.data_ptr(), _CODES[x.dtype], weight.data.data_ptr(),
+                                         _CODES[weight.dtype], *bias_args, out.data_ptr(), _CODES[x.dtype], *sizes)
     return out
 
 
@@ -120,7 +195,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_tables = block_tables.to(torch.int64).contiguous()
     context_lens = context_lens.to(torch.int64).contiguous()
     out = torch.empty_like(q)
-    _function("cpu_attention.cpp")(
+    _function("paged_decode_attention")(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
         out.data_ptr(), _CODES[q.dtype], _CODES[k_cache.dtype], num_reqs, heads, kv_heads, head_dim, block_size,
         block_tables.shape[1], 1.0 / math.sqrt(head_dim), torch.get_num_threads())
@@ -135,5 +210,5 @@ def shm_allreduce(segment: torch.Tensor, rank: int, world: int, slot_bytes: int,
     """Sum x (contiguous, in place) over the ranks sharing `segment` (shm_allreduce.cpp); returns the rounds used."""
     if x.dtype not in _SHM_CODES or not x.is_contiguous():
         raise ValueError(f"shm all-reduce takes contiguous float32/bfloat16/float64 tensors, got {x.dtype}")
-    return _function("shm_allreduce.cpp")(segment.data_ptr(), rank, world, slot_bytes, first_seq, x.data_ptr(),
+    return _function("shm_allreduce")(segment.data_ptr(), rank, world, slot_bytes, first_seq, x.data_ptr(),
                                           _SHM_CODES[x.dtype], x.numel())

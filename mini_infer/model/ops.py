@@ -1,10 +1,11 @@
 """The model's kernels: torch ops, or mini-infer's native CPU kernels for the matmuls and decode attention.
 
 `cpu_kernels="auto"` takes the native kernels on the CPU for bfloat16 and float32 models, and for each linear
-weight shape and batch-size bucket the faster of the native matmul and torch's (kernels/autotune.py): a weight is
-packed for the native kernel where it wins, kept as it is where torch does (both, when each wins somewhere; a tied
-LM head's packed copy is its own). `on` runs the native matmul everywhere. If the kernels cannot be built, `auto`
-says so once and runs torch ops; `on` raises instead; `off` always runs torch ops.
+weight shape and batch-size bucket the fastest of the native matmul paths this CPU runs (AVX2, AVX-512F,
+AVX512_BF16) and torch's (kernels/autotune.py): a weight is kept in the forms its winners read (packed panels,
+bf16 pairs, as it is for torch; a tied LM head's packed copies are its own). `on` runs the best native path
+everywhere (AVX512_BF16 for bf16, then AVX-512F, then AVX2). If the kernels cannot be built, `auto` says so once
+and runs torch ops; `on` raises instead; `off` always runs torch ops.
 """
 
 from __future__ import annotations
@@ -24,30 +25,32 @@ from mini_infer.model.attention import AttentionMetadata, paged_attention
 
 @dataclass(frozen=True, slots=True)
 class TunedWeight:
-    """A linear weight in the forms its timed choices need: packed for the native kernel, as it is for torch."""
+    """A linear weight in the forms its timed choices need: packed per native layout, as it is for torch."""
 
-    packed: cpu.PackedWeight | None
+    packed: dict[str, cpu.PackedWeight]  # layout ("panels", "pairs") -> packed weight
     dense: torch.Tensor | None
-    winners: tuple[str, ...]  # per autotune bucket: "native" or "torch"
+    winners: tuple[str, ...]  # per autotune bucket: a native path (cpu.MATMUL_PATHS) or "torch"
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.packed.data if self.packed else None, self.dense) if t is not None]
+        return [p.data for p in self.packed.values()] + ([self.dense] if self.dense is not None else [])
 
 
 @dataclass(frozen=True, slots=True)
 class Ops:
     native: bool  # the native CPU kernels run
     note: str  # why, for logs and benchmark reports
-    tuner: LinearTuner | None = None  # with the native kernels: None runs the native matmul everywhere
+    tuner: LinearTuner | None = None  # with the native kernels: None runs `path` everywhere
+    path: str = "avx2"  # the native matmul path without a tuner
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | cpu.PackedWeight | TunedWeight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(weight, TunedWeight):
-            if weight.winners[bucket_index(x.shape[0])] == "native":
-                return cpu.linear(x, weight.packed, bias)
-            return F.linear(x, weight.dense, bias)
+            path = weight.winners[bucket_index(x.shape[0])]
+            if path == "torch":
+                return F.linear(x, weight.dense, bias)
+            return cpu.linear(x, weight.packed[cpu.MATMUL_PATHS[path][0]], bias, path)
         if isinstance(weight, cpu.PackedWeight):
-            return cpu.linear(x, weight, bias)
+            return cpu.linear(x, weight, bias, self.path)
         return F.linear(x, weight, bias)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -62,11 +65,16 @@ class Ops:
             weight = getattr(module, name).data
             module._parameters.pop(name, None)  # a tied head keeps the embedding registered under its own name
             if self.tuner is None:
-                setattr(module, name, cpu.pack_weight(weight))
+                setattr(module, name, cpu.pack_weight(weight, cpu.MATMUL_PATHS[self.path][0]))
                 continue
             winners = self.tuner.winners(*weight.shape)
-            setattr(module, name, TunedWeight(cpu.pack_weight(weight) if "native" in winners else None,
+            layouts = {cpu.MATMUL_PATHS[w][0] for w in winners if w != "torch"}
+            setattr(module, name, TunedWeight({layout: cpu.pack_weight(weight, layout) for layout in sorted(layouts)},
                                               weight if "torch" in winners else None, winners))
+
+    def matmul_choices(self) -> dict[str, list[str]] | None:
+        """What the autotuner chose per weight shape and bucket (None without one), for reports."""
+        return self.tuner.choices() if self.tuner is not None else None
 
 
 def select_ops(mode: str, dtype: torch.dtype, device: str | torch.device) -> Ops:
@@ -84,25 +92,34 @@ def select_ops(mode: str, dtype: torch.dtype, device: str | torch.device) -> Ops
             raise ValueError(f"cpu_kernels 'on' but the native kernels are unavailable: {reason}")
         warnings.warn(f"native CPU kernels unavailable ({reason}); the model runs torch ops", stacklevel=2)
         return Ops(False, f"torch ops (native CPU kernels unavailable: {reason})")
+    paths = cpu.matmul_paths(dtype)
+    runnable = tuple(path for path, why in paths.items() if why is None)
+    missing = "; ".join(f"{path}: {why}" for path, why in paths.items() if why is not None)
+    lacking = f" (not here: {missing})" if missing else ""
     if mode == "on":
-        return Ops(True, "native CPU kernels (AVX2 matmul with packed weights, paged decode attention)")
-    tuner = LinearTuner(machine_key(dtype, cpu.gemm_source()), _LinearTimer(dtype))
-    return Ops(True, "native CPU kernels (paged decode attention; per weight shape and batch size, the faster of the "
-                     f"AVX2 matmul and torch's, timed once: {tuner.path})", tuner)
+        return Ops(True, f"native CPU kernels ({runnable[-1]} matmul with packed weights, paged decode "
+                         f"attention){lacking}", path=runnable[-1])
+    tuner = LinearTuner(machine_key(dtype, cpu.gemm_source()), _LinearTimer(dtype), (*runnable, "torch"))
+    return Ops(True, f"native CPU kernels (paged decode attention; per weight shape and batch size, the fastest of "
+                     f"{', '.join(runnable)} and torch's matmul, timed once: {tuner.path}){lacking}", tuner)
 
 
 class _LinearTimer:
     """Times one candidate matmul on random data of a weight's shape (the weights made once per shape)."""
 
     def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype, self._shape, self._weights = dtype, None, None
+        self.dtype, self._shape, self._weights = dtype, None, {}
 
     def __call__(self, candidate: str, rows: int, out_features: int, in_features: int) -> float:
         if self._shape != (out_features, in_features):
-            dense = torch.randn(out_features, in_features).to(self.dtype)
-            self._shape, self._weights = (out_features, in_features), (dense, cpu.pack_weight(dense))
-        dense, packed = self._weights
+            self._shape = (out_features, in_features)
+            self._weights = {"torch": torch.randn(out_features, in_features).to(self.dtype)}
+        dense = self._weights["torch"]
         x = torch.randn(rows, in_features).to(self.dtype)
-        if candidate == "native":
-            return median_ms(lambda: cpu.linear(x, packed))
-        return median_ms(lambda: F.linear(x, dense))
+        if candidate == "torch":
+            return median_ms(lambda: F.linear(x, dense))
+        layout = cpu.MATMUL_PATHS[candidate][0]
+        if layout not in self._weights:
+            self._weights[layout] = cpu.pack_weight(dense, layout)
+        packed = self._weights[layout]
+        return median_ms(lambda: cpu.linear(x, packed, None, candidate))

@@ -99,12 +99,13 @@ class ModelRunner:
         return out if comm.rank == 0 else None
 
     def memory_stats(self) -> dict:
-        """This rank's parameter and KV bytes, and its peak memory (CUDA max allocated, or the process's peak
-        resident set on the CPU)."""
+        """This rank's parameter and KV bytes, its peak memory (CUDA max allocated, or the process's peak resident
+        set on the CPU), and the kernels it runs: the note of model/ops.py and the autotuner's matmul choices."""
         params = sum(t.numel() * t.element_size() for t in _unique_tensors(self.model))
         kv = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv_caches)
         stats = {"rank": self.comm.rank, "tp_all_reduce": self.comm.tp_all_reduce, "param_bytes": params,
-                 "kv_bytes": kv, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+                 "kv_bytes": kv, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                 "kernels": self.ops.note, "matmul_choices": self.ops.matmul_choices()}
         if self.device.type == "cuda":
             stats["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
         return stats

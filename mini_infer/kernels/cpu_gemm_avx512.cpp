@@ -1,0 +1,195 @@
+// out[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) for CPUs with AVX-512, built twice (cpu.py):
+//  - AVX-512F (GEMM_BF16 = 0): float32 FMAs on 16 columns at a time; w in panels of 16 output columns,
+//    [ceil(N / 16), K, 16], float32 or bfloat16 (widened in registers); x in float32.
+//  - AVX512_BF16 (GEMM_BF16 = 1): `vdpbf16ps` multiplies bf16 pairs and accumulates in float32, two k per
+//    instruction, as oneDNN's bf16 matmul does; w in panels of 16 columns by k pairs, [ceil(N / 16), K / 2, 16, 2]
+//    bfloat16 (K padded to even), and x in bfloat16, each row's (x[2p], x[2p + 1]) broadcast as one 32-bit lane.
+// Tiles of MR rows by NP panels keep MR * NP accumulators among the 32 vector registers; threads split the panels.
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <vector>
+
+#include "bf16.h"
+
+namespace {
+
+constexpr int PANEL = 16;
+enum DType : int { F32 = 0, BF16 = 1 };
+
+struct F32Panels {
+    using W = float;
+    using X = float;
+    static constexpr int KSTEP = 1;
+    static inline __m512 weights(const W* p) { return _mm512_loadu_ps(p); }
+    static inline __m512 broadcast(const X* x) { return _mm512_set1_ps(*x); }
+    static inline __m512 madd(__m512 acc, __m512 w, __m512 x) { return _mm512_fmadd_ps(x, w, acc); }
+};
+
+struct BF16Panels {  // a bf16 is the high half of a float32: widen 16 of them with one zero-extend and a shift
+    using W = uint16_t;
+    using X = float;
+    static constexpr int KSTEP = 1;
+    static inline __m512 weights(const W* p) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+    }
+    static inline __m512 broadcast(const X* x) { return _mm512_set1_ps(*x); }
+    static inline __m512 madd(__m512 acc, __m512 w, __m512 x) { return _mm512_fmadd_ps(x, w, acc); }
+};
+
+#if GEMM_BF16
+struct BF16Pairs {
+    using W = uint16_t;
+    using X = uint16_t;
+    static constexpr int KSTEP = 2;
+    static inline __m512 weights(const W* p) { return _mm512_castsi512_ps(_mm512_loadu_si512(p)); }
+    static inline __m512 broadcast(const X* x) {
+        int32_t pair;
+        memcpy(&pair, x, sizeof pair);
+        return _mm512_castsi512_ps(_mm512_set1_epi32(pair));
+    }
+    static inline __m512 madd(__m512 acc, __m512 w, __m512 x) {
+        return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w);
+    }
+};
+#endif
+
+struct Problem {
+    const void* x;  // [M, ldx] in the layout's X type
+    int64_t ldx;
+    const float* bias;  // float32 [N] or null
+    void* out;
+    int out_dtype, M, N, steps;  // steps: K / KSTEP
+};
+
+// 16 float32 lanes as bf16, rounded to nearest even with NaN kept NaN (bf16.h's rule, vectorised).
+inline __m256i to_bf16(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    rounded = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(rounded);
+}
+
+inline void store(const Problem& p, int m, int n0, __m512 acc) {
+    const int count = p.N - n0 < PANEL ? p.N - n0 : PANEL;
+    const __mmask16 mask = count == PANEL ? 0xffff : static_cast<__mmask16>((1u << count) - 1);
+    if (p.bias) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(mask, p.bias + n0));
+    const int64_t at = static_cast<int64_t>(m) * p.N + n0;
+    if (p.out_dtype == BF16) _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p.out) + at, mask, to_bf16(acc));
+    else _mm512_mask_storeu_ps(static_cast<float*>(p.out) + at, mask, acc);
+}
+
+template <int MR, int NP, typename L>
+inline void tile(const Problem& p, const typename L::W* w, int m0, int panel0) {
+    __m512 acc[MR][NP];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+        for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_setzero_ps();
+    const int64_t panel_elems = static_cast<int64_t>(p.steps) * PANEL * L::KSTEP;
+    const typename L::W* panel = w + panel0 * panel_elems;
+    const typename L::X* x = static_cast<const typename L::X*>(p.x) + m0 * p.ldx;
+    for (int s = 0; s < p.steps; ++s) {
+        __m512 wv[NP];
+#pragma GCC unroll 8
+        for (int j = 0; j < NP; ++j) wv[j] = L::weights(panel + j * panel_elems + static_cast<int64_t>(s) * PANEL * L::KSTEP);
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) {
+            const __m512 xv = L::broadcast(x + i * p.ldx + static_cast<int64_t>(s) * L::KSTEP);
+#pragma GCC unroll 8
+            for (int j = 0; j < NP; ++j) acc[i][j] = L::madd(acc[i][j], wv[j], xv);
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+        for (int j = 0; j < NP; ++j) store(p, m0 + i, (panel0 + j) * PANEL, acc[i][j]);
+}
+
+// All rows against NP panels: MR-row tiles, then the remaining rows.
+template <int MR, int NP, typename L>
+inline void panel_group(const Problem& p, const typename L::W* w, int panel0) {
+    int m = 0;
+    for (; m + MR <= p.M; m += MR) tile<MR, NP, L>(p, w, m, panel0);
+    switch (p.M - m) {
+        case 5: if constexpr (MR > 5) tile<5, NP, L>(p, w, m, panel0); break;
+        case 4: if constexpr (MR > 4) tile<4, NP, L>(p, w, m, panel0); break;
+        case 3: if constexpr (MR > 3) tile<3, NP, L>(p, w, m, panel0); break;
+        case 2: if constexpr (MR > 2) tile<2, NP, L>(p, w, m, panel0); break;
+        case 1: if constexpr (MR > 1) tile<1, NP, L>(p, w, m, panel0); break;
+        default: break;
+    }
+}
+
+template <int MR, int NP, typename L>
+void run_groups(const Problem& p, const typename L::W* w, int threads) {
+    const int panels = (p.N + PANEL - 1) / PANEL, groups = panels / NP;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static) nowait
+        for (int g = 0; g < groups; ++g) panel_group<MR, NP, L>(p, w, g * NP);
+#pragma omp for schedule(static)
+        for (int q = groups * NP; q < panels; ++q) panel_group<MR, 1, L>(p, w, q);
+    }
+}
+
+// Few rows leave registers for more panels per tile (more independent chains, fewer broadcasts); many rows
+// take 6 x 4 tiles: 24 accumulators, 4 weight vectors and a broadcast.
+template <typename L>
+void run(const Problem& p, const typename L::W* w, int threads) {
+    switch (p.M) {
+        case 1: run_groups<1, 8, L>(p, w, threads); break;
+        case 2: run_groups<2, 6, L>(p, w, threads); break;
+        case 3: run_groups<3, 6, L>(p, w, threads); break;
+        case 4: run_groups<4, 5, L>(p, w, threads); break;
+        case 5: run_groups<5, 4, L>(p, w, threads); break;
+        default: run_groups<6, 4, L>(p, w, threads); break;
+    }
+}
+
+inline float load_scalar(const void* data, int dtype, int64_t i) {
+    return dtype == BF16 ? bf16_to_f32(static_cast<const uint16_t*>(data)[i]) : static_cast<const float*>(data)[i];
+}
+
+std::vector<float> bias_f32(const void* bias, int bias_dtype, int N) {
+    std::vector<float> out(bias ? N : 0);
+    for (int n = 0; n < static_cast<int>(out.size()); ++n) out[n] = load_scalar(bias, bias_dtype, n);
+    return out;
+}
+
+}  // namespace
+
+#if GEMM_BF16
+// x bfloat16 [M, K]; w packed pairs (K rounded up to even: an odd K's last pair reads a zero x beside it).
+extern "C" void gemm_avx512bf16(const uint16_t* x, const uint16_t* w, const void* bias, int bias_dtype, void* out,
+                                int out_dtype, int M, int N, int K, int threads) {
+    std::vector<uint16_t> padded;
+    const int K2 = (K + 1) / 2 * 2;
+    if (K2 != K) {
+        padded.assign(static_cast<size_t>(M) * K2, 0);
+        for (int m = 0; m < M; ++m) memcpy(&padded[static_cast<size_t>(m) * K2], x + static_cast<int64_t>(m) * K, K * 2);
+        x = padded.data();
+    }
+    const std::vector<float> b = bias_f32(bias, bias_dtype, N);
+    const Problem p{x, K2, bias ? b.data() : nullptr, out, out_dtype, M, N, K2 / 2};
+    run<BF16Pairs>(p, w, threads);
+}
+#else
+// x float32 or bfloat16 [M, K] (widened once); w packed panels, float32 or bfloat16.
+extern "C" void gemm_avx512(const void* x, int x_dtype, const void* w, int w_dtype, const void* bias, int bias_dtype,
+                            void* out, int out_dtype, int M, int N, int K, int threads) {
+    std::vector<float> x32;
+    if (x_dtype == BF16) {
+        x32.resize(static_cast<size_t>(M) * K);
+        for (size_t i = 0; i < x32.size(); ++i) x32[i] = load_scalar(x, BF16, static_cast<int64_t>(i));
+    }
+    const std::vector<float> b = bias_f32(bias, bias_dtype, N);
+    const Problem p{x_dtype == BF16 ? x32.data() : x, K, bias ? b.data() : nullptr, out, out_dtype, M, N, K};
+    if (w_dtype == BF16) run<BF16Panels>(p, static_cast<const uint16_t*>(w), threads);
+    else run<F32Panels>(p, static_cast<const float*>(w), threads);
+}
+#endif
