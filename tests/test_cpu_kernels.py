@@ -30,8 +30,8 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
 # M covers 1-5 rows (several panels per tile), 6-row tiles and every remainder; N covers whole and partial
 # 16-column panels and panel groups with a remainder; K any length (odd: a bf16 pair's zero half).
 SHAPES = [(1, 1, 1), (1, 7, 9), (1, 80, 64), (1, 200, 33), (2, 50, 16), (2, 120, 7), (3, 33, 8), (3, 110, 65),
-          (4, 2, 31), (4, 90, 12), (5, 10, 64), (5, 70, 3), (6, 16, 5), (7, 11, 100), (9, 4, 7), (16, 896, 896),
-          (70, 13, 896), (130, 151, 40)]
+          (4, 2, 31), (4, 90, 12), (5, 10, 64), (5, 70, 3), (6, 16, 5), (7, 11, 100), (9, 4, 7), (12, 64, 256),
+          (16, 896, 896), (20, 100, 600), (23, 130, 513), (70, 13, 896), (130, 151, 40)]
 
 
 @pytest.mark.parametrize("path,weight_dtype", [(path, dtype) for path in PATHS for dtype in cpu.DTYPES
