@@ -37,12 +37,15 @@ def run_bench(options: BenchOptions, model_dir: str) -> None:
 
 
 def table(workload: Workload, report: dict) -> str:
-    """The headline with the machine's line after its first line, the table, and the systems that were skipped."""
+    """The headline with the machine's line after its first line, the table, how each peer was set up, and the
+    systems that were skipped."""
     lines = workload.headline(report)
     lines.insert(1, describe_machine(report["machine"]))
-    skipped = [f"{name}: skipped ({system['reason']})" for name, system in report.get("systems", {}).items()
+    systems = report.get("systems", {})
+    setups = [f"{name}: {system['setup']['summary']}" for name, system in systems.items() if system.get("setup")]
+    skipped = [f"{name}: skipped ({system['reason']})" for name, system in systems.items()
                if system["reason"] is not None]
-    return "\n".join([*lines, "", format_table(workload.columns, workload.rows(report)), *skipped])
+    return "\n".join([*lines, "", format_table(workload.columns, workload.rows(report)), *setups, *skipped])
 
 
 def _check_lengths(options: BenchOptions, model_dir: str) -> None:

@@ -1,5 +1,6 @@
 """The systems under test behind one interface, run(prompts, output_lens) -> RunResult then close(): mini-infer
-through its engine, the HF baselines of hf.py; run_systems times each of them over a workload's cases.
+through its engine, the HF baselines of hf.py, the peers of peers.py (llama.cpp, vLLM's CPU build; only when
+named); run_systems times each of them over a workload's cases.
 
 Each request generates exactly its output length with plain greedy decoding and EOS ignored; outputs are
 counted the same way for every system, from the generated token ids.
@@ -8,18 +9,22 @@ counted the same way for every system, from the generated token ids.
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from mini_infer.bench.peers import PEER_NAMES, build_peer
 from mini_infer.bench.report import RunResult
 from mini_infer.config import EngineConfig
 from mini_infer.engine.data_parallel import create_engine
 from mini_infer.sampling_params import RequestOutputKind, SamplingParams
 
-SYSTEM_NAMES = ("hf-generate", "hf-continuous", "mini-infer")
-# Run where the installed transformers supports them; otherwise skipped with the reason.
-OPTIONAL_SYSTEMS = ("hf-continuous",)
+DEFAULT_SYSTEMS = ("hf-generate", "hf-continuous", "mini-infer")
+SYSTEM_NAMES = (*DEFAULT_SYSTEMS, *PEER_NAMES)
+# Run where the installed transformers supports them, or where the peer can be set up; otherwise skipped with the
+# reason.
+OPTIONAL_SYSTEMS = ("hf-continuous", *PEER_NAMES)
 
 
 def greedy(max_tokens: int, kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> SamplingParams:
@@ -54,17 +59,26 @@ class MiniInferSystem:
         self.engine.shutdown()
 
 
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 class SystemFactory:
-    """Builds the named systems; the HF ones share one transformers model, loaded on first use."""
+    """Builds the named systems; the HF ones share one transformers model, loaded on first use. A peer's
+    first use sets it up, saying so through `log`; gguf_outtype is llama.cpp's weight type (None: --dtype's)."""
 
     def __init__(self, model_dir: str, dtype: str, *, max_requests: int, max_seq_len: int,
-                 static_batch_size: int | None = None) -> None:
+                 static_batch_size: int | None = None, gguf_outtype: str | None = None,
+                 log: Callable[[str], None] = _stderr) -> None:
         self.model_dir, self.dtype = model_dir, dtype
         self.max_requests, self.max_seq_len = max_requests, max_seq_len
-        self.static_batch_size = static_batch_size
+        self.static_batch_size, self.gguf_outtype, self.log = static_batch_size, gguf_outtype, log
         self._hf_model = None
 
     def build(self, name: str):
+        if name in PEER_NAMES:
+            return build_peer(name, self.model_dir, self.dtype, max_requests=self.max_requests,
+                              max_seq_len=self.max_seq_len, gguf_outtype=self.gguf_outtype, log=self.log)
         if name == "mini-infer":
             # Prefix caching off: the timed runs repeat the warm-up's prompts, and reusing their K/V would skip
             # prefill work that the HF systems must do (the shared-prefix workload measures the cache itself).
@@ -94,16 +108,17 @@ class Case:
 
 def run_systems(factory: SystemFactory, names: list[str], cases: list[Case], reps: int,
                 log: Callable[[str], None]) -> dict[str, dict]:
-    """Per system {"reason": None, "runs": {case label: [RunResult per rep]}}, each case after a warm-up run;
-    an optional system that fails gets {"reason": its one-line error, "runs": {}}, other failures propagate."""
+    """Per system {"reason": None, "setup": its `info` (a peer's versions and setup) or None, "runs": {case label:
+    [RunResult per rep]}}, each case after a warm-up run; an optional system that fails gets {"reason": its
+    one-line error, "setup": None, "runs": {}}, other failures propagate."""
     records = {}
     for name in names:
         log(f"{name}: loading")
         try:
             system = factory.build(name)
             try:
-                records[name] = {"reason": None, "runs": {case.label: _timed(name, system, case, reps, log)
-                                                          for case in cases}}
+                records[name] = {"reason": None, "setup": getattr(system, "info", None),
+                                 "runs": {case.label: _timed(name, system, case, reps, log) for case in cases}}
             finally:
                 system.close()
         except Exception as error:
@@ -111,7 +126,7 @@ def run_systems(factory: SystemFactory, names: list[str], cases: list[Case], rep
                 raise
             lines = str(error).strip().splitlines()
             records[name] = {"reason": f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__,
-                             "runs": {}}
+                             "setup": None, "runs": {}}
             log(f"{name} skipped: {records[name]['reason']}")
     return records
 

@@ -36,10 +36,10 @@ def run_fixed(options: BenchOptions, model_dir: str, log: Callable[[str], None])
     ceilings = measure_ceilings(dtype)
     cost = DecodeCost.from_config(ModelConfig.from_dir(model_dir), dtype.itemsize)
     factory = SystemFactory(model_dir, options.dtype, max_requests=max(options.batch_sizes),
-                            max_seq_len=options.prompt_len + new_tokens)
+                            max_seq_len=options.prompt_len + new_tokens, gguf_outtype=options.gguf_outtype, log=log)
     records = run_systems(factory, list(options.systems), cases, options.reps, log)
     points = {b: roofline(cost, ceilings, b) for b in options.batch_sizes}
-    systems = {name: {"reason": record["reason"],
+    systems = {name: {"reason": record["reason"], "setup": record["setup"],
                       "results": [_batch_result(b, record["runs"][f"B={b}"], b * new_tokens, points[b].tok_s)
                                   for b in options.batch_sizes] if record["reason"] is None else []}
                for name, record in records.items()}
@@ -106,7 +106,7 @@ def run_random(options: BenchOptions, model_dir: str, log: Callable[[str], None]
     case = Case("random", requests.prompts, requests.output_lens, warmup, [RANDOM_WARMUP_OUTPUT_LEN] * len(warmup))
     factory = SystemFactory(model_dir, options.dtype, max_requests=options.num_requests,
                             max_seq_len=max(len(p) + n for p, n in zip(requests.prompts, requests.output_lens)),
-                            static_batch_size=options.batch_size)
+                            static_batch_size=options.batch_size, gguf_outtype=options.gguf_outtype, log=log)
     records = run_systems(factory, list(options.systems), [case], options.reps, log)
     prompt_tokens = sum(len(p) for p in case.prompts)
     systems = {}
@@ -114,7 +114,7 @@ def run_random(options: BenchOptions, model_dir: str, log: Callable[[str], None]
         runs = [_random_metrics(run, prompt_tokens) for run in record["runs"].get("random", [])]
         summary = {key: summarize([run[key] for run in runs])
                    for key in ("output_tok_s", "total_tok_s", "latency_p50_s", "latency_p99_s")} if runs else None
-        systems[name] = {"reason": record["reason"], "runs": runs, "summary": summary}
+        systems[name] = {"reason": record["reason"], "setup": record["setup"], "runs": runs, "summary": summary}
     base = (systems.get(BASELINE) or {}).get("summary")
     for summary in (s["summary"] for s in systems.values() if s["summary"] is not None):
         summary["speedup_vs_hf_generate"] = speedup(summary["output_tok_s"]["median"],
