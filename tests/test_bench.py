@@ -15,7 +15,7 @@ from mini_infer.bench.options import WORKLOADS
 from mini_infer.bench.report import RunResult, count_output_tokens, percentile
 from mini_infer.bench.roofline import Ceilings, DecodeCost, roofline
 from mini_infer.bench.run import WORKLOADS as WORKLOAD_REGISTRY
-from mini_infer.bench.systems import SYSTEM_NAMES, SystemFactory
+from mini_infer.bench.systems import DEFAULT_SYSTEMS, SystemFactory
 from mini_infer.config import ModelConfig
 from mini_infer.entrypoints.cli import main
 from mini_infer.factory import PRESETS, parameter_count
@@ -45,7 +45,7 @@ def test_fixed_workload_writes_table_json_and_chart(tiny_model_dir, tmp_path, ca
     assert report["ceilings"]["compute_peak_gflops"] > 0 and report["ceilings"]["read_gbs"] > 0
     assert [p["batch_size"] for p in report["roofline"]] == [1, 2]
     assert all(p["tok_s"] > 0 for p in report["roofline"])
-    assert set(report["systems"]) == set(SYSTEM_NAMES)
+    assert set(report["systems"]) == set(DEFAULT_SYSTEMS)
     for name, system in report["systems"].items():
         if not _check_system_entry(name, system):
             continue
@@ -62,7 +62,7 @@ def test_fixed_workload_writes_table_json_and_chart(tiny_model_dir, tmp_path, ca
     assert f"{config.vocab_size}x{config.hidden_size}" in choices  # the LM head's shape, among the layers'
     assert all(len(winners) == len(BUCKETS) and set(winners) <= set(CANDIDATES) for winners in choices.values())
     assert "mini-infer matmul per weight shape and batch-size bucket (autotuned):" in printed
-    assert "mini-infer kernels: native CPU kernels" in printed
+    assert "mini-infer: kernels: native CPU kernels" in printed
     assert (out / "fixed.png").read_bytes().startswith(PNG_MAGIC)
 
 
@@ -95,12 +95,14 @@ def test_every_system_decodes_the_same_greedy_tokens(tiny_model_dir):
     requests = random_requests(load_stream(tiny_model_dir), 5, (3, 20), (2, 9), seed=1)
     factory = SystemFactory(str(tiny_model_dir), "float32", max_requests=5, max_seq_len=29, static_batch_size=2)
     outputs = {}
-    for name in SYSTEM_NAMES:
+    for name in (*DEFAULT_SYSTEMS, "mini-infer-torch"):
         system = factory.build(name)
         outputs[name] = system.run(requests.prompts, requests.output_lens).token_ids
+        if name.startswith("mini-infer"):
+            assert ("torch ops" in system.info["kernels"]) == (name == "mini-infer-torch")
         system.close()
     assert [len(ids) for ids in outputs["mini-infer"]] == requests.output_lens
-    assert outputs["hf-generate"] == outputs["mini-infer"] == outputs["hf-continuous"]
+    assert outputs["hf-generate"] == outputs["mini-infer"] == outputs["hf-continuous"] == outputs["mini-infer-torch"]
 
 
 def _fake_config(tie: bool) -> ModelConfig:

@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from mini_infer.bench.peers import GGUF_OUTTYPES, PEER_NAMES
+from mini_infer.bench.systems import DEFAULT_SYSTEMS
 from mini_infer.bench.systems import SYSTEM_NAMES as SYSTEMS
 
 WORKLOADS = ("fixed", "random", "parallel", "shared-prefix", "long-prompt")
@@ -24,7 +26,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="local HF-format model directory (default: the random-weight "
                                                       "qwen2.5-0.5b preset)")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of " + ", ".join(SYSTEMS))
+    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                        help=f"comma list of {', '.join(SYSTEMS)} (default: {','.join(DEFAULT_SYSTEMS)}); the peers "
+                             f"{' and '.join(PEER_NAMES)} are set up in their own environments under the mini-infer "
+                             "cache on first use (minutes), or skipped with the reason")
+    parser.add_argument("--gguf-outtype", choices=GGUF_OUTTYPES, default=None,
+                        help="llama.cpp's weight type, converted once per checkpoint (default: --dtype's, bf16 or f32)")
     parser.add_argument("--reps", type=int, default=None, help="timed runs per setting (default 3 fixed, 1 random)")
     parser.add_argument("--out", default=None, help="results folder (default bench-results/<timestamp>)")
     fixed = parser.add_argument_group("fixed workload")
@@ -53,6 +60,7 @@ class BenchOptions:
     model: str | None
     dtype: str
     systems: tuple[str, ...]
+    gguf_outtype: str | None
     reps: int
     out: Path
     batch_sizes: tuple[int, ...]

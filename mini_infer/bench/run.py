@@ -38,22 +38,22 @@ def run_bench(options: BenchOptions, model_dir: str) -> None:
 
 
 def table(workload: Workload, report: dict) -> str:
-    """The headline with the machine's line after its first line, the table, the systems that were skipped, and
-    the kernels mini-infer ran (the autotuner's matmul choices)."""
+    """The headline with the machine's line after its first line, the table, how each system was set up (a peer's
+    versions, mini-infer's kernels and the autotuner's matmul choices), and the systems that were skipped."""
     lines = workload.headline(report)
     lines.insert(1, describe_machine(report["machine"]))
     systems = report.get("systems", {})
-    skipped = [f"{name}: skipped ({system['reason']})" for name, system in systems.items()
-               if system["reason"] is not None]
-    kernels = []
+    setups = []
     for name, system in systems.items():
         setup = system.get("setup") or {}
-        if "kernels" in setup:
-            kernels += ["", f"{name} kernels: {setup['kernels']}"]
+        if "summary" in setup:
+            setups.append(f"{name}: {setup['summary']}")
         if setup.get("matmul_choices"):
-            kernels += [f"{name} matmul per weight shape and batch-size bucket (autotuned):",
-                        *(f"  {line}" for line in describe_choices(setup["matmul_choices"]))]
-    return "\n".join([*lines, "", format_table(workload.columns, workload.rows(report)), *skipped, *kernels])
+            setups += [f"{name} matmul per weight shape and batch-size bucket (autotuned):",
+                       *(f"  {line}" for line in describe_choices(setup["matmul_choices"]))]
+    skipped = [f"{name}: skipped ({system['reason']})" for name, system in systems.items()
+               if system["reason"] is not None]
+    return "\n".join([*lines, "", format_table(workload.columns, workload.rows(report)), *setups, *skipped])
 
 
 def _check_lengths(options: BenchOptions, model_dir: str) -> None:

@@ -1,5 +1,6 @@
 """The systems under test behind one interface, run(prompts, output_lens) -> RunResult then close(): mini-infer
-through its engine, the HF baselines of hf.py; run_systems times each of them over a workload's cases.
+through its engine, the HF baselines of hf.py, the peers of peers.py (llama.cpp, vLLM's CPU build; only when
+named); run_systems times each of them over a workload's cases.
 
 Each request generates exactly its output length with plain greedy decoding and EOS ignored; outputs are
 counted the same way for every system, from the generated token ids.
@@ -8,18 +9,23 @@ counted the same way for every system, from the generated token ids.
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from mini_infer.bench.peers import PEER_NAMES, build_peer
 from mini_infer.bench.report import RunResult
 from mini_infer.config import EngineConfig
 from mini_infer.engine.data_parallel import create_engine
 from mini_infer.sampling_params import RequestOutputKind, SamplingParams
 
-SYSTEM_NAMES = ("hf-generate", "hf-continuous", "mini-infer")
-# Run where the installed transformers supports them; otherwise skipped with the reason.
-OPTIONAL_SYSTEMS = ("hf-continuous",)
+DEFAULT_SYSTEMS = ("hf-generate", "hf-continuous", "mini-infer")
+# mini-infer-torch: mini-infer with cpu_kernels=off (torch ops only), the floor its own kernels must beat.
+SYSTEM_NAMES = (*DEFAULT_SYSTEMS, "mini-infer-torch", *PEER_NAMES)
+# Run where the installed transformers supports them, or where the peer can be set up; otherwise skipped with the
+# reason.
+OPTIONAL_SYSTEMS = ("hf-continuous", *PEER_NAMES)
 
 
 def greedy(max_tokens: int, kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> SamplingParams:
@@ -50,31 +56,43 @@ class MiniInferSystem:
                 token_ids[i], finish_s[i] = output.outputs[0].token_ids, time.perf_counter() - start
         return RunResult(token_ids, finish_s, time.perf_counter() - start)
 
-    def describe(self) -> dict:
+    @property
+    def info(self) -> dict:
         """The kernels the engine's model runs (rank 0 of replica 0): note and autotuned matmul choices."""
         stats = self.engine.memory_stats()[0]
-        return {"kernels": stats["kernels"], "matmul_choices": stats["matmul_choices"]}
+        return {"summary": f"kernels: {stats['kernels']}", "kernels": stats["kernels"],
+                "matmul_choices": stats["matmul_choices"]}
 
     def close(self) -> None:
         self.engine.shutdown()
 
 
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 class SystemFactory:
-    """Builds the named systems; the HF ones share one transformers model, loaded on first use."""
+    """Builds the named systems; the HF ones share one transformers model, loaded on first use. A peer's
+    first use sets it up, saying so through `log`; gguf_outtype is llama.cpp's weight type (None: --dtype's)."""
 
     def __init__(self, model_dir: str, dtype: str, *, max_requests: int, max_seq_len: int,
-                 static_batch_size: int | None = None) -> None:
+                 static_batch_size: int | None = None, gguf_outtype: str | None = None,
+                 log: Callable[[str], None] = _stderr) -> None:
         self.model_dir, self.dtype = model_dir, dtype
         self.max_requests, self.max_seq_len = max_requests, max_seq_len
-        self.static_batch_size = static_batch_size
+        self.static_batch_size, self.gguf_outtype, self.log = static_batch_size, gguf_outtype, log
         self._hf_model = None
 
     def build(self, name: str):
-        if name == "mini-infer":
+        if name in PEER_NAMES:
+            return build_peer(name, self.model_dir, self.dtype, max_requests=self.max_requests,
+                              max_seq_len=self.max_seq_len, gguf_outtype=self.gguf_outtype, log=self.log)
+        if name in ("mini-infer", "mini-infer-torch"):
             # Prefix caching off: the timed runs repeat the warm-up's prompts, and reusing their K/V would skip
             # prefill work that the HF systems must do (the shared-prefix workload measures the cache itself).
             return MiniInferSystem(self.model_dir, dict(dtype=self.dtype, max_num_seqs=max(256, self.max_requests),
-                                                        enable_prefix_caching=False))
+                                                        enable_prefix_caching=False,
+                                                        cpu_kernels="off" if name == "mini-infer-torch" else "auto"))
         from mini_infer.bench import hf  # only here: nothing else loads transformers' modeling code
 
         if self._hf_model is None:
@@ -99,17 +117,17 @@ class Case:
 
 def run_systems(factory: SystemFactory, names: list[str], cases: list[Case], reps: int,
                 log: Callable[[str], None]) -> dict[str, dict]:
-    """Per system {"reason": None, "runs": {case label: [RunResult per rep]}, "setup": what it describes of itself
-    after the runs (mini-infer: its kernels)}, each case after a warm-up run; an optional system that fails gets
-    {"reason": its one-line error, "runs": {}, "setup": {}}, other failures propagate."""
+    """Per system {"reason": None, "setup": its `info` (a peer's versions and setup) or None, "runs": {case label:
+    [RunResult per rep]}}, each case after a warm-up run; an optional system that fails gets {"reason": its
+    one-line error, "setup": None, "runs": {}}, other failures propagate."""
     records = {}
     for name in names:
         log(f"{name}: loading")
         try:
             system = factory.build(name)
             try:
-                runs = {case.label: _timed(name, system, case, reps, log) for case in cases}
-                records[name] = {"reason": None, "runs": runs, "setup": getattr(system, "describe", dict)()}
+                records[name] = {"reason": None, "setup": getattr(system, "info", None),
+                                 "runs": {case.label: _timed(name, system, case, reps, log) for case in cases}}
             finally:
                 system.close()
         except Exception as error:
@@ -117,7 +135,7 @@ def run_systems(factory: SystemFactory, names: list[str], cases: list[Case], rep
                 raise
             lines = str(error).strip().splitlines()
             records[name] = {"reason": f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__,
-                             "runs": {}, "setup": {}}
+                             "setup": None, "runs": {}}
             log(f"{name} skipped: {records[name]['reason']}")
     return records
 

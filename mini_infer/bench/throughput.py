@@ -36,7 +36,7 @@ def run_fixed(options: BenchOptions, model_dir: str, log: Callable[[str], None])
     ceilings = measure_ceilings(dtype)
     cost = DecodeCost.from_config(ModelConfig.from_dir(model_dir), dtype.itemsize)
     factory = SystemFactory(model_dir, options.dtype, max_requests=max(options.batch_sizes),
-                            max_seq_len=options.prompt_len + new_tokens)
+                            max_seq_len=options.prompt_len + new_tokens, gguf_outtype=options.gguf_outtype, log=log)
     records = run_systems(factory, list(options.systems), cases, options.reps, log)
     points = {b: roofline(cost, ceilings, b) for b in options.batch_sizes}
     systems = {name: {"reason": record["reason"], "setup": record["setup"],
@@ -106,7 +106,7 @@ def run_random(options: BenchOptions, model_dir: str, log: Callable[[str], None]
     case = Case("random", requests.prompts, requests.output_lens, warmup, [RANDOM_WARMUP_OUTPUT_LEN] * len(warmup))
     factory = SystemFactory(model_dir, options.dtype, max_requests=options.num_requests,
                             max_seq_len=max(len(p) + n for p, n in zip(requests.prompts, requests.output_lens)),
-                            static_batch_size=options.batch_size)
+                            static_batch_size=options.batch_size, gguf_outtype=options.gguf_outtype, log=log)
     records = run_systems(factory, list(options.systems), [case], options.reps, log)
     prompt_tokens = sum(len(p) for p in case.prompts)
     systems = {}
