@@ -28,6 +28,34 @@ inline void store(void* data, int dtype, int64_t i, float v) {
 
 inline float round_to(int dtype, float v) { return dtype == BF16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
 
+// Eight values at a time, rounded as the scalar versions above round.
+inline __m256 load8(const void* data, int dtype, int64_t i) {
+    if (dtype == F32) return _mm256_loadu_ps(static_cast<const float*>(data) + i);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(data) + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline __m256i bf16_bits8(__m256 v) {  // the bfloat16 nearest v (ties to even) in the high halves; NaN stays NaN
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+    const __m256i quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x400000));
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    return _mm256_and_si256(_mm256_blendv_epi8(rounded, quiet, nan), _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+}
+
+inline __m256 round8(int dtype, __m256 v) { return dtype == BF16 ? _mm256_castsi256_ps(bf16_bits8(v)) : v; }
+
+inline void store8(void* data, int dtype, int64_t i, __m256 v) {
+    if (dtype == F32) {
+        _mm256_storeu_ps(static_cast<float*>(data) + i, v);
+        return;
+    }
+    const __m256i halves = _mm256_srli_epi32(bf16_bits8(v), 16);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(halves, halves), 0b1000);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(data) + i), _mm256_castsi256_si128(packed));
+}
+
 int ceil_log2(int64_t x) {
     int bits = 1;
     while ((int64_t{1} << bits) < x) ++bits;
@@ -80,7 +108,11 @@ float sum_of_squares(const float* x, int64_t n, int width) {
 // `row` holds the input as float32 (already rounded to the dtype).
 void normalise_row(const float* row, int64_t H, const void* weight, void* out, int dtype, float eps, int width) {
     const float inv = 1.0f / sqrtf(sum_of_squares(row, H, width) / static_cast<float>(H) + eps);
-    for (int64_t h = 0; h < H; ++h) store(out, dtype, h, load(weight, dtype, h) * round_to(dtype, row[h] * inv));
+    const __m256 inv8 = _mm256_set1_ps(inv);
+    int64_t h = 0;
+    for (; h + 8 <= H; h += 8)
+        store8(out, dtype, h, _mm256_mul_ps(load8(weight, dtype, h), round8(dtype, _mm256_mul_ps(_mm256_loadu_ps(row + h), inv8))));
+    for (; h < H; ++h) store(out, dtype, h, load(weight, dtype, h) * round_to(dtype, row[h] * inv));
 }
 
 // exp for the float32 range silu needs: 2^k * p(r) with r = x - k ln2 in [-ln2/2, ln2/2] and p the degree-7
@@ -103,9 +135,17 @@ inline __m256 exp8(__m256 x) {
     return _mm256_blendv_ps(result, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));  // NaN stays NaN
 }
 
+inline __m256 silu8(__m256 g) {  // torch's formula: x / (1 + exp(-x))
+    return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+}
+
 // Rounds each product and the sum to the dtype, as torch's `q * cos + rotate_half(q) * sin` does.
 inline float rotate(int dtype, float x, float x_partner_signed, float c, float s) {
     return round_to(dtype, round_to(dtype, x * c) + round_to(dtype, x_partner_signed * s));
+}
+
+inline __m256 rotate8(int dtype, __m256 x, __m256 x_partner_signed, __m256 c, __m256 s) {
+    return round8(dtype, _mm256_add_ps(round8(dtype, _mm256_mul_ps(x, c)), round8(dtype, _mm256_mul_ps(x_partner_signed, s))));
 }
 
 }  // namespace
@@ -119,7 +159,16 @@ extern "C" void add_rms_norm(const void* x, const void* residual, const void* we
         std::vector<float> buffer(H);
         float* row = buffer.data();
         const int64_t base = static_cast<int64_t>(t) * H;
-        for (int64_t h = 0; h < H; ++h) {
+        int64_t h = 0;
+        for (; h + 8 <= H; h += 8) {
+            __m256 v = load8(x, dtype, base + h);
+            if (residual != nullptr) {
+                v = round8(dtype, _mm256_add_ps(v, load8(residual, dtype, base + h)));
+                store8(residual_out, dtype, base + h, v);
+            }
+            _mm256_storeu_ps(row + h, v);
+        }
+        for (; h < H; ++h) {
             float v = load(x, dtype, base + h);
             if (residual != nullptr) {
                 v = round_to(dtype, v + load(residual, dtype, base + h));
@@ -133,20 +182,19 @@ extern "C" void add_rms_norm(const void* x, const void* residual, const void* we
 
 // gate_up [T, 2I] (gate, then up) -> out [T, I] = silu(gate) * up, each rounded to the dtype.
 extern "C" void silu_mul(const void* gate_up, void* out, int dtype, int T, int I, int threads) {
-    const __m256 one = _mm256_set1_ps(1.0f);
 #pragma omp parallel for num_threads(threads) if (static_cast<int64_t>(T) * I >= 65536)
     for (int t = 0; t < T; ++t) {
         const int64_t in = static_cast<int64_t>(t) * 2 * I, o = static_cast<int64_t>(t) * I;
-        float gate[8], up[8], silu[8];
-        for (int i = 0; i < I; i += 8) {
-            const int n = std::min(8, I - i);
-            for (int j = 0; j < 8; ++j) {
-                gate[j] = j < n ? load(gate_up, dtype, in + i + j) : 0.0f;
-                up[j] = j < n ? load(gate_up, dtype, in + I + i + j) : 0.0f;
-            }
-            const __m256 g = _mm256_loadu_ps(gate);
-            _mm256_storeu_ps(silu, _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)))));
-            for (int j = 0; j < n; ++j) store(out, dtype, o + i + j, round_to(dtype, silu[j]) * up[j]);
+        int i = 0;
+        for (; i + 8 <= I; i += 8) {
+            const __m256 g = load8(gate_up, dtype, in + i);
+            store8(out, dtype, o + i, _mm256_mul_ps(round8(dtype, silu8(g)), load8(gate_up, dtype, in + I + i)));
+        }
+        if (i < I) {  // the tail through a padded vector, so that it takes the same exp
+            float gate[8] = {}, silu[8];
+            for (int j = i; j < I; ++j) gate[j - i] = load(gate_up, dtype, in + j);
+            _mm256_storeu_ps(silu, silu8(_mm256_loadu_ps(gate)));
+            for (int j = i; j < I; ++j) store(out, dtype, o + j, round_to(dtype, silu[j - i]) * load(gate_up, dtype, in + I + j));
         }
     }
 }
@@ -166,7 +214,16 @@ extern "C" void rope_kv_write(const void* qkv, const int64_t* positions, const v
             const int64_t src = in + static_cast<int64_t>(head) * D;
             void* dst = head < H ? q_out : k_cache;
             const int64_t at = head < H ? (static_cast<int64_t>(t) * H + head) * D : cache + (head - H) * D;
-            for (int d = 0; d < half; ++d) {
+            int d = 0;
+            for (; d + 8 <= half; d += 8) {
+                const __m256 first = load8(qkv, dtype, src + d), second = load8(qkv, dtype, src + d + half);
+                const __m256 negated = _mm256_sub_ps(_mm256_setzero_ps(), second);
+                store8(dst, dtype, at + d, rotate8(dtype, first, negated, load8(cos, dtype, table + d),
+                                                   load8(sin, dtype, table + d)));
+                store8(dst, dtype, at + d + half, rotate8(dtype, second, first, load8(cos, dtype, table + d + half),
+                                                          load8(sin, dtype, table + d + half)));
+            }
+            for (; d < half; ++d) {
                 const float first = load(qkv, dtype, src + d), second = load(qkv, dtype, src + d + half);
                 store(dst, dtype, at + d, rotate(dtype, first, -second, load(cos, dtype, table + d),
                                                  load(sin, dtype, table + d)));
