@@ -1,4 +1,5 @@
-"""The fused native kernels (kernels/fused.py) against the torch ops they replace."""
+"""The fused native kernels (kernels/fused.py) against the torch ops they replace, and the model with them against
+the model without."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mini_infer import LLM, SamplingParams
 from mini_infer.kernels import fused
 from mini_infer.model.attention import write_kv
 from mini_infer.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
@@ -122,3 +124,50 @@ def test_norm_and_activation_refuse_mismatched_tensors():
         fused.rms_norm(torch.randn(2, 8), torch.ones(7), 1e-6)
     with pytest.raises(ValueError, match="silu_mul: gate_up \\(2, 7\\)"):
         fused.silu_mul(torch.randn(2, 7))
+
+
+def torch_rms_norm(x, weight, eps):
+    norm = RMSNorm(weight.shape[0], eps, dtype=weight.dtype, device="cpu")
+    norm.weight.data = weight
+    return norm(x)
+
+
+def prefill_logits(model_dir, dtype: str) -> torch.Tensor:
+    llm = LLM(str(model_dir), dtype=dtype, cpu_kernels="on", block_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=20, ignore_eos=True)
+    outputs = llm.generate([[5, 9, 2, 77, 31], [100, 3]], params, use_tqdm=False)
+    return torch.tensor([[lp.logprob for lp in o.outputs[0].logprobs[0].values()] for o in outputs])
+
+
+def test_model_with_fused_kernels_equals_the_torch_ops_bit_for_bit_in_bfloat16(tiny_model_dir, monkeypatch):
+    """The same native matmuls either way; only the fused norm, activation and RoPE/KV write are swapped for
+    their torch ops, which they reproduce exactly in bfloat16 (the residual stream included)."""
+    fused_logprobs = prefill_logits(tiny_model_dir, "bfloat16")
+    monkeypatch.setattr(fused, "add_rms_norm", lambda x, residual, w, eps: (torch_rms_norm(x + residual, w, eps),
+                                                                            x + residual))
+    monkeypatch.setattr(fused, "rms_norm", torch_rms_norm)
+    monkeypatch.setattr(fused, "silu_mul", silu_and_mul)
+    monkeypatch.setattr(fused, "rope_kv_write", lambda qkv, positions, cos, sin, *rest: torch_rope_kv_write(
+        qkv, positions, _Rotary(cos, sin), *rest))
+    assert torch.equal(prefill_logits(tiny_model_dir, "bfloat16"), fused_logprobs)
+
+
+class _Rotary:
+    """A RotaryEmbedding's forward over given tables."""
+
+    def __init__(self, cos, sin):
+        self.cos, self.sin = cos, sin
+
+    def __call__(self, positions, q, k):
+        return RotaryEmbedding.forward(self, positions, q, k)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_tokens_with_native_kernels_equal_torch_ops(tiny_model_dir, dtype):
+    prompts = [[5, 9, 2, 77, 31, 8, 1], [100, 3], [42]]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    tokens = {}
+    for mode in ("on", "off"):
+        llm = LLM(str(tiny_model_dir), dtype=dtype, cpu_kernels=mode, block_size=4)
+        tokens[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert tokens["on"] == tokens["off"]
