@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from mini_infer import LLM, SamplingParams
 from mini_infer.kernels import fused
