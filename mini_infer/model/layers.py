@@ -57,17 +57,22 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class SwiGLUMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul. Under tensor parallel each rank holds
-    a slice of the intermediate dimension and `reduce` sums the ranks' partial outputs."""
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul and `activation` the silu-and-multiply
+    (torch's by default). Under tensor parallel each rank holds a slice of the intermediate dimension and `reduce`
+    sums the ranks' partial outputs."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, linear: Callable, reduce: Callable, *,
-                 dtype: torch.dtype, device) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, linear: Callable, reduce: Callable,
+                 activation: Callable | None = None, *, dtype: torch.dtype, device) -> None:
         super().__init__()
-        self.linear, self.reduce = linear, reduce
-        self.intermediate_size = intermediate_size
+        self.linear, self.reduce, self.activation = linear, reduce, activation or silu_and_mul
         self.gate_up_proj = empty_parameter(2 * intermediate_size, hidden_size, dtype=dtype, device=device)
         self.down_proj = empty_parameter(hidden_size, intermediate_size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.linear(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
-        return self.reduce(self.linear(F.silu(gate) * up, self.down_proj))
+        return self.reduce(self.linear(self.activation(self.linear(x, self.gate_up_proj)), self.down_proj))
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate, then up) -> silu(gate) * up [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -16,11 +16,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 from mini_infer.config import CPU_KERNEL_MODES
-from mini_infer.kernels import cpu
+from mini_infer.kernels import cpu, fused
 from mini_infer.kernels.autotune import LinearTuner, bucket_index, machine_key, median_ms
-from mini_infer.model.attention import AttentionMetadata, paged_attention
+from mini_infer.model.attention import AttentionMetadata, paged_attention, write_kv
+from mini_infer.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +59,37 @@ class Ops:
                   meta: AttentionMetadata) -> torch.Tensor:
         return paged_attention(q, k_cache, v_cache, meta, cpu.paged_decode_attention if self.native else None)
 
+    def rms_norm(self, norm: RMSNorm, x: torch.Tensor,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), or (norm(x), x) without a residual: the residual stream's add
+        done by the norm after it, in one pass with the native kernels."""
+        if not self.native:
+            x = x if residual is None else x + residual
+            return norm(x), x
+        if residual is None:
+            return fused.rms_norm(x, norm.weight, norm.eps), x
+        return fused.add_rms_norm(x, residual, norm.weight, norm.eps)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return fused.silu_mul(gate_up) if self.native else silu_and_mul(gate_up)
+
+    def rope_kv_write(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                      kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor,
+                      num_heads: int) -> torch.Tensor:
+        """qkv [T, (heads + 2 kv_heads) D] -> q [T, heads, D] rotated; k rotated and v stored at their cache slots
+        (with the native kernels in one pass, which the profile's kv_write range then covers)."""
+        k_cache, v_cache = kv_cache
+        if self.native:
+            with record_function("kv_write"):
+                return fused.rope_kv_write(qkv, positions, rotary.cos, rotary.sin, k_cache, v_cache, slot_mapping,
+                                           num_heads)
+        num_tokens, (kv_heads, head_dim) = qkv.shape[0], k_cache.shape[2:]
+        q, k, v = qkv.split((num_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
+        q, k = rotary(positions, q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, kv_heads, head_dim))
+        with record_function("kv_write"):
+            write_kv(k_cache, v_cache, k, v.view(num_tokens, kv_heads, head_dim), slot_mapping)
+        return q
+
     def prepare(self, linear_weights: list[tuple[nn.Module, str]]) -> None:
         """Swap each named linear weight for the forms its matmuls run on when the native kernels run."""
         if not self.native:
@@ -86,7 +119,7 @@ def select_ops(mode: str, dtype: torch.dtype, device: str | torch.device) -> Ops
             raise ValueError(f"cpu_kernels 'on' runs bfloat16/float32 models on the CPU, not {dtype} on {device}")
         return Ops(False, f"torch ops (the native kernels cover bfloat16/float32 on the CPU, not {dtype} "
                           f"on {device})")
-    reason = cpu.unavailable_reason()
+    reason = fused.unavailable_reason()  # the fused kernels' and every other native kernel's
     if reason is not None:
         if mode == "on":
             raise ValueError(f"cpu_kernels 'on' but the native kernels are unavailable: {reason}")

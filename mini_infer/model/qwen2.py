@@ -16,7 +16,7 @@ from torch.profiler import record_function
 from mini_infer.config import ModelConfig
 from mini_infer.distributed.comm import Comm
 from mini_infer.distributed.shard import Shard
-from mini_infer.model.attention import AttentionMetadata, write_kv
+from mini_infer.model.attention import AttentionMetadata
 from mini_infer.model.ops import Ops
 from mini_infer.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, empty_parameter
 
@@ -38,16 +38,10 @@ class Qwen2Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.ops.linear(x, self.qkv_proj, self.qkv_bias).split(self.split_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
-        k_cache, v_cache = kv_cache
-        with record_function("kv_write"):
-            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        qkv = self.ops.linear(x, self.qkv_proj, self.qkv_bias)
+        q = self.ops.rope_kv_write(qkv, positions, rotary, kv_cache, meta.slot_mapping, self.num_heads)
         with record_function("attention"):
-            out = self.ops.attention(q, k_cache, v_cache, meta)
+            out = self.ops.attention(q, *kv_cache, meta)
         return self.comm.all_reduce(self.ops.linear(out.reshape(num_tokens, -1), self.o_proj))
 
 
@@ -59,11 +53,18 @@ class Qwen2DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
         self.self_attn = Qwen2Attention(config, shard, comm, ops, **factory)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-        self.mlp = SwiGLUMLP(config.hidden_size, shard.intermediate_size, ops.linear, comm.all_reduce, **factory)
+        self.mlp = SwiGLUMLP(config.hidden_size, shard.intermediate_size, ops.linear, comm.all_reduce,
+                             ops.silu_and_mul, **factory)
+        self.ops = ops
 
-    def forward(self, x, positions, rotary, kv_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rotary, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (this layer's MLP output, the residual stream before it), the vLLM way: each norm adds
+        the block output before it to the stream (the first layer's input norm has none), which rounds as
+        `residual + block(norm(residual))` does."""
+        h, residual = self.ops.rms_norm(self.input_layernorm, x, residual)
+        h = self.self_attn(h, positions, rotary, kv_cache, meta)
+        h, residual = self.ops.rms_norm(self.post_attention_layernorm, h, residual)
+        return self.mlp(h), residual
 
 
 class Qwen2ForCausalLM(nn.Module):
@@ -107,9 +108,12 @@ class Qwen2ForCausalLM(nn.Module):
         on the others) -> this stage's hidden states, or on the last stage the logits of the sampled rows only:
         [len(logits_indices), tp * vocab_shard_size] on its tensor rank 0, None on its other tensor ranks."""
         x = self.embed(inputs) if self.shard.first_stage else inputs
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rotary, kv_cache, meta)
+            x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta)
         if not self.shard.last_stage:
-            return x
+            return x if residual is None else x + residual
         with record_function("lm_head"):
-            return self.comm.gather_vocab(self.ops.linear(self.norm(x[logits_indices]), self.lm_head))
+            rows = residual[logits_indices] if residual is not None else None
+            x, _ = self.ops.rms_norm(self.norm, x[logits_indices], rows)
+            return self.comm.gather_vocab(self.ops.linear(x, self.lm_head))

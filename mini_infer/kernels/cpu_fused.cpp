@@ -1,0 +1,237 @@
+// The elementwise steps of a decoder layer fused into one pass each: residual add + RMSNorm, SiLU(gate) * up,
+// and RoPE on q and k with the K/V cache write.
+//
+// Tensors are float32 or bfloat16 (dtype code 0 or 1), all of one call in one dtype. Each kernel rounds where
+// torch's ops on that dtype round (after every op), so that the model gives the same numbers with these kernels
+// as with torch's; the library is built with -ffp-contract=off so that no a * b + c becomes one rounding.
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "bf16.h"
+
+namespace {
+
+enum DType : int { F32 = 0, BF16 = 1 };
+
+inline float load(const void* data, int dtype, int64_t i) {
+    return dtype == BF16 ? bf16_to_f32(static_cast<const uint16_t*>(data)[i]) : static_cast<const float*>(data)[i];
+}
+
+inline void store(void* data, int dtype, int64_t i, float v) {
+    if (dtype == BF16) static_cast<uint16_t*>(data)[i] = f32_to_bf16(v);
+    else static_cast<float*>(data)[i] = v;
+}
+
+inline float round_to(int dtype, float v) { return dtype == BF16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+// Eight values at a time, rounded as the scalar versions above round.
+inline __m256 load8(const void* data, int dtype, int64_t i) {
+    if (dtype == F32) return _mm256_loadu_ps(static_cast<const float*>(data) + i);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(data) + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline __m256i bf16_bits8(__m256 v) {  // the bfloat16 nearest v (ties to even) in the high halves; NaN stays NaN
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+    const __m256i quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x400000));
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    return _mm256_and_si256(_mm256_blendv_epi8(rounded, quiet, nan), _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+}
+
+inline __m256 round8(int dtype, __m256 v) { return dtype == BF16 ? _mm256_castsi256_ps(bf16_bits8(v)) : v; }
+
+inline void store8(void* data, int dtype, int64_t i, __m256 v) {
+    if (dtype == F32) {
+        _mm256_storeu_ps(static_cast<float*>(data) + i, v);
+        return;
+    }
+    const __m256i halves = _mm256_srli_epi32(bf16_bits8(v), 16);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(halves, halves), 0b1000);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(data) + i), _mm256_castsi256_si128(packed));
+}
+
+int ceil_log2(int64_t x) {
+    int bits = 1;
+    while ((int64_t{1} << bits) < x) ++bits;
+    return bits;
+}
+
+// sum(x[i]^2) in the order torch's CPU sum takes over a contiguous row (aten/src/ATen/native/cpu/SumKernel.cpp):
+// lanes of `width` floats (its vector width: 16 under AVX-512, 8 under AVX2), four interleaved vector accumulators
+// summed in cascaded chunks of 16, the leftover vectors into the first accumulator, then the scalar tail and
+// the lanes. Another order would move the mean by an ulp now and then, and a normalised value across a bfloat16
+// rounding boundary with it.
+constexpr int kMaxWidth = 16, kIlp = 4, kLevels = 4;
+
+float sum_of_squares(const float* x, int64_t n, int width) {
+    const int64_t vectors = n / width, groups = vectors / kIlp;
+    float acc[kLevels][kIlp][kMaxWidth] = {};
+    auto add_vector = [&](float* into, int64_t v) {
+        for (int l = 0; l < width; ++l) into[l] += x[v * width + l] * x[v * width + l];
+    };
+    const int level_power = std::max(4, ceil_log2(groups) / kLevels);
+    const int64_t level_step = int64_t{1} << level_power, level_mask = level_step - 1;
+    int64_t i = 0;
+    while (i + level_step <= groups) {
+        for (int64_t j = 0; j < level_step; ++j, ++i)
+            for (int k = 0; k < kIlp; ++k) add_vector(acc[0][k], i * kIlp + k);
+        for (int level = 1; level < kLevels; ++level) {
+            for (int k = 0; k < kIlp; ++k)
+                for (int l = 0; l < width; ++l) {
+                    acc[level][k][l] += acc[level - 1][k][l];
+                    acc[level - 1][k][l] = 0.0f;
+                }
+            if ((i & (level_mask << (level * level_power))) != 0) break;
+        }
+    }
+    for (; i < groups; ++i)
+        for (int k = 0; k < kIlp; ++k) add_vector(acc[0][k], i * kIlp + k);
+    for (int level = 1; level < kLevels; ++level)
+        for (int k = 0; k < kIlp; ++k)
+            for (int l = 0; l < width; ++l) acc[0][k][l] += acc[level][k][l];
+    for (int64_t v = groups * kIlp; v < vectors; ++v) add_vector(acc[0][0], v);
+    for (int k = 1; k < kIlp; ++k)
+        for (int l = 0; l < width; ++l) acc[0][0][l] += acc[0][k][l];
+    float total = 0.0f;
+    for (int64_t e = vectors * width; e < n; ++e) total += x[e] * x[e];
+    for (int l = 0; l < width; ++l) total += acc[0][0][l];
+    return total;
+}
+
+// One row of RMSNorm.forward: float32 normalisation, rounded to the dtype, then the weight multiply in the dtype.
+// `row` holds the input as float32 (already rounded to the dtype).
+void normalise_row(const float* row, int64_t H, const void* weight, void* out, int dtype, float eps, int width) {
+    const float inv = 1.0f / sqrtf(sum_of_squares(row, H, width) / static_cast<float>(H) + eps);
+    const __m256 inv8 = _mm256_set1_ps(inv);
+    int64_t h = 0;
+    for (; h + 8 <= H; h += 8)
+        store8(out, dtype, h, _mm256_mul_ps(load8(weight, dtype, h), round8(dtype, _mm256_mul_ps(_mm256_loadu_ps(row + h), inv8))));
+    for (; h < H; ++h) store(out, dtype, h, load(weight, dtype, h) * round_to(dtype, row[h] * inv));
+}
+
+// exp for the float32 range silu needs: 2^k * p(r) with r = x - k ln2 in [-ln2/2, ln2/2] and p the degree-7
+// Taylor polynomial (its truncation error there is ~0.05 ulp); overflow gives inf and underflow 0, as expf.
+inline __m256 exp8(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.7228394f), lo = _mm256_set1_ps(-103.972076f);
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693145752f), x);  // ln2 split in two for an exact k * ln2
+    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(1.42860677e-06f), r);
+    const float inverse_factorials[] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+    __m256 p = _mm256_set1_ps(inverse_factorials[0]);
+    for (int i = 1; i < 8; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(inverse_factorials[i]));
+    // 2^k in two factors so that k down to -150 (a subnormal result) stays representable.
+    const __m256i ki = _mm256_cvtps_epi32(k), half = _mm256_srai_epi32(ki, 1);
+    auto power = [](__m256i e) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23)); };
+    __m256 result = _mm256_mul_ps(_mm256_mul_ps(p, power(half)), power(_mm256_sub_epi32(ki, half)));
+    result = _mm256_blendv_ps(result, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x, hi, _CMP_GT_OQ));
+    result = _mm256_blendv_ps(result, _mm256_setzero_ps(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
+    return _mm256_blendv_ps(result, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));  // NaN stays NaN
+}
+
+inline __m256 silu8(__m256 g) {  // torch's formula: x / (1 + exp(-x))
+    return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+}
+
+// Rounds each product and the sum to the dtype, as torch's `q * cos + rotate_half(q) * sin` does.
+inline float rotate(int dtype, float x, float x_partner_signed, float c, float s) {
+    return round_to(dtype, round_to(dtype, x * c) + round_to(dtype, x_partner_signed * s));
+}
+
+inline __m256 rotate8(int dtype, __m256 x, __m256 x_partner_signed, __m256 c, __m256 s) {
+    return round8(dtype, _mm256_add_ps(round8(dtype, _mm256_mul_ps(x, c)), round8(dtype, _mm256_mul_ps(x_partner_signed, s))));
+}
+
+}  // namespace
+
+// x [T, H] -> out [T, H]; with a residual [T, H], residual_out <- x + residual first and out is its norm.
+extern "C" void add_rms_norm(const void* x, const void* residual, const void* weight, void* out, void* residual_out,
+                             int dtype, int T, int H, float eps, int width, int threads) {
+    const size_t elem = dtype == BF16 ? 2 : 4;
+#pragma omp parallel for num_threads(threads) if (T > 1 && static_cast<int64_t>(T) * H >= 32768)
+    for (int t = 0; t < T; ++t) {
+        std::vector<float> buffer(H);
+        float* row = buffer.data();
+        const int64_t base = static_cast<int64_t>(t) * H;
+        int64_t h = 0;
+        for (; h + 8 <= H; h += 8) {
+            __m256 v = load8(x, dtype, base + h);
+            if (residual != nullptr) {
+                v = round8(dtype, _mm256_add_ps(v, load8(residual, dtype, base + h)));
+                store8(residual_out, dtype, base + h, v);
+            }
+            _mm256_storeu_ps(row + h, v);
+        }
+        for (; h < H; ++h) {
+            float v = load(x, dtype, base + h);
+            if (residual != nullptr) {
+                v = round_to(dtype, v + load(residual, dtype, base + h));
+                store(residual_out, dtype, base + h, v);
+            }
+            row[h] = v;
+        }
+        normalise_row(row, H, weight, static_cast<char*>(out) + base * elem, dtype, eps, width);
+    }
+}
+
+// gate_up [T, 2I] (gate, then up) -> out [T, I] = silu(gate) * up, each rounded to the dtype.
+extern "C" void silu_mul(const void* gate_up, void* out, int dtype, int T, int I, int threads) {
+#pragma omp parallel for num_threads(threads) if (static_cast<int64_t>(T) * I >= 65536)
+    for (int t = 0; t < T; ++t) {
+        const int64_t in = static_cast<int64_t>(t) * 2 * I, o = static_cast<int64_t>(t) * I;
+        int i = 0;
+        for (; i + 8 <= I; i += 8) {
+            const __m256 g = load8(gate_up, dtype, in + i);
+            store8(out, dtype, o + i, _mm256_mul_ps(round8(dtype, silu8(g)), load8(gate_up, dtype, in + I + i)));
+        }
+        if (i < I) {  // the tail through a padded vector, so that it takes the same exp
+            float gate[8] = {}, silu[8];
+            for (int j = i; j < I; ++j) gate[j - i] = load(gate_up, dtype, in + j);
+            _mm256_storeu_ps(silu, silu8(_mm256_loadu_ps(gate)));
+            for (int j = i; j < I; ++j) store(out, dtype, o + j, round_to(dtype, silu[j - i]) * load(gate_up, dtype, in + I + j));
+        }
+    }
+}
+
+// qkv [T, (H + 2 KVH) D] -> q_out [T, H, D] with RoPE (rotate-half) at positions[t]; k (rotated) and v land in
+// k_cache / v_cache [num_blocks, block_size, KVH, D] at slot_mapping[t]. cos, sin: [max_positions, D].
+extern "C" void rope_kv_write(const void* qkv, const int64_t* positions, const void* cos, const void* sin,
+                              void* q_out, void* k_cache, void* v_cache, const int64_t* slot_mapping,
+                              int dtype, int T, int H, int KVH, int D, int threads) {
+    const int half = D / 2;
+    const int64_t row = static_cast<int64_t>(H + 2 * KVH) * D;
+#pragma omp parallel for num_threads(threads) if (T >= 16)
+    for (int t = 0; t < T; ++t) {
+        const int64_t table = positions[t] * D, in = t * row;
+        const int64_t cache = slot_mapping[t] * KVH * D;
+        for (int head = 0; head < H + KVH; ++head) {
+            const int64_t src = in + static_cast<int64_t>(head) * D;
+            void* dst = head < H ? q_out : k_cache;
+            const int64_t at = head < H ? (static_cast<int64_t>(t) * H + head) * D : cache + (head - H) * D;
+            int d = 0;
+            for (; d + 8 <= half; d += 8) {
+                const __m256 first = load8(qkv, dtype, src + d), second = load8(qkv, dtype, src + d + half);
+                const __m256 negated = _mm256_sub_ps(_mm256_setzero_ps(), second);
+                store8(dst, dtype, at + d, rotate8(dtype, first, negated, load8(cos, dtype, table + d),
+                                                   load8(sin, dtype, table + d)));
+                store8(dst, dtype, at + d + half, rotate8(dtype, second, first, load8(cos, dtype, table + d + half),
+                                                          load8(sin, dtype, table + d + half)));
+            }
+            for (; d < half; ++d) {
+                const float first = load(qkv, dtype, src + d), second = load(qkv, dtype, src + d + half);
+                store(dst, dtype, at + d, rotate(dtype, first, -second, load(cos, dtype, table + d),
+                                                 load(sin, dtype, table + d)));
+                store(dst, dtype, at + d + half, rotate(dtype, second, first, load(cos, dtype, table + d + half),
+                                                        load(sin, dtype, table + d + half)));
+            }
+        }
+        const int64_t v = in + static_cast<int64_t>(H + KVH) * D;
+        for (int64_t d = 0; d < static_cast<int64_t>(KVH) * D; ++d) store(v_cache, dtype, cache + d, load(qkv, dtype, v + d));
+    }
+}

@@ -1,0 +1,147 @@
+"""The native fused elementwise kernels of a decoder layer (cpu_fused.cpp): residual add + RMSNorm, SiLU x up,
+RoPE with the K/V cache write. Each rounds exactly where torch's ops on the same dtype round.
+
+Built and loaded like the other native kernels (kernels/cpu.py, whose availability check covers this library).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import warnings
+from pathlib import Path
+
+import torch
+
+from mini_infer.kernels import cpu
+from mini_infer.kernels.build import KernelUnavailable, build_library
+
+SOURCE = "cpu_fused.cpp"
+FLAGS = [*cpu.FLAGS, "-ffp-contract=off"]  # a * b + c must round twice, as torch's two ops do
+_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {
+    "add_rms_norm": [_P] * 5 + [_I] * 3 + [_F, _I, _I],
+    "silu_mul": [_P] * 2 + [_I] * 4,
+    "rope_kv_write": [_P] * 8 + [_I] * 6,
+}
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    here = Path(__file__).parent
+    library = build_library(here / SOURCE, FLAGS, headers=(here / "bf16.h",))
+    for name, argtypes in _SIGNATURES.items():
+        function = getattr(library, name)
+        function.argtypes, function.restype = argtypes, None
+    return library
+
+
+def unavailable_reason() -> str | None:
+    """None when the fused kernels build and load here, else why not."""
+    reason = cpu.unavailable_reason()  # the CPU check, shared by every native kernel
+    if reason is not None:
+        return reason
+    try:
+        _library()
+    except KernelUnavailable as e:
+        return str(e)
+    return None
+
+
+@functools.cache
+def _sum_width() -> int:
+    """The lanes (8 or 16) of torch's float32 sum kernel here, found by normalising a probe both ways: the norm's
+    mean of squares must add in torch's order to round as RMSNorm.forward does, and which of its AVX2 or AVX-512
+    builds torch dispatches to is torch's business."""
+    probe = torch.randn(4, 4096, generator=torch.Generator().manual_seed(0))
+    expected = probe * torch.rsqrt(probe.pow(2).mean(-1, keepdim=True) + 1e-6)
+    for width in (8, 16):
+        out, _ = _launch_norm(probe, None, torch.ones(4096), 1e-6, width)
+        if torch.equal(out, expected):
+            return width
+    warnings.warn("the fused RMSNorm cannot reproduce torch's float32 sum order here: its results may differ from "
+                  "torch's in the last bit", stacklevel=2)
+    return 8
+
+
+def _check_rows(name: str, weight: torch.Tensor, *tensors: torch.Tensor) -> None:
+    x = tensors[0]
+    if (x.dim() != 2 or x.dtype not in cpu.DTYPES or weight.shape != (x.shape[1],) or weight.dtype != x.dtype
+            or any(t.dtype != x.dtype or t.shape != x.shape for t in tensors)):
+        raise ValueError(f"{name}: tensors {[(tuple(t.shape), t.dtype) for t in tensors]} with a weight "
+                         f"{tuple(weight.shape)} {weight.dtype}: all [T, H] and of one dtype (bfloat16/float32)")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm.forward of x [T, H]."""
+    _check_rows("rms_norm", weight, x)
+    return _add_rms_norm(x.contiguous(), None, weight.contiguous(), eps)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm.forward(x + residual), x + residual), in one pass over x [T, H] and residual [T, H]."""
+    _check_rows("add_rms_norm", weight, x, residual)
+    return _add_rms_norm(x.contiguous(), residual.contiguous(), weight.contiguous(), eps)
+
+
+def _add_rms_norm(x, residual, weight, eps):
+    return _launch_norm(x, residual, weight, eps, _sum_width())
+
+
+def _launch_norm(x, residual, weight, eps, width):
+    out = torch.empty_like(x)
+    residual_out = torch.empty_like(x) if residual is not None else x
+    _library().add_rms_norm(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
+                            out.data_ptr(), residual_out.data_ptr(), _CODES[x.dtype], x.shape[0],
+                            x.shape[1], eps, width, torch.get_num_threads())
+    return out, residual_out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] (gate, then up) -> F.silu(gate) * up [T, I]."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.dtype not in cpu.DTYPES:
+        raise ValueError(f"silu_mul: gate_up {tuple(gate_up.shape)} {gate_up.dtype} must be [T, 2I] bfloat16/float32")
+    gate_up = gate_up.contiguous()
+    out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
+    _library().silu_mul(gate_up.data_ptr(), out.data_ptr(), _CODES[gate_up.dtype], *out.shape,
+                        torch.get_num_threads())
+    return out
+
+
+def rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                  num_heads: int) -> torch.Tensor:
+    """qkv [T, (heads + 2 kv_heads) D] -> q [T, heads, D] rotated at `positions` (RotaryEmbedding's rotate-half
+    form with its cos/sin tables [max_positions, D]); k rotated and v are stored at their `slot_mapping` slots of
+    k_cache / v_cache [num_blocks, block_size, kv_heads, D]."""
+    num_tokens = qkv.shape[0]
+    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    # The kernel indexes raw memory: anything out of shape or range would write outside the caches.
+    if (qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * kv_heads) * head_dim or head_dim % 2
+            or qkv.dtype not in cpu.DTYPES or any(t.dtype != qkv.dtype for t in (cos, sin, k_cache, v_cache))
+            or cos.shape != sin.shape or cos.shape[1:] != (head_dim,) or v_cache.shape != k_cache.shape
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous() and cos.is_contiguous()
+                    and sin.is_contiguous())
+            or positions.shape != (num_tokens,) or slot_mapping.shape != (num_tokens,)):
+        raise ValueError(f"rope_kv_write: qkv {tuple(qkv.shape)} {qkv.dtype} for {num_heads} heads, caches "
+                         f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)} {k_cache.dtype} (contiguous: "
+                         f"{k_cache.is_contiguous()}, {v_cache.is_contiguous()}), cos/sin {tuple(cos.shape)} "
+                         f"{cos.dtype}, positions {tuple(positions.shape)}, slot mapping {tuple(slot_mapping.shape)}")
+    if num_tokens:
+        lowest, highest = (int(v) for v in torch.aminmax(slot_mapping))
+        first, last = (int(v) for v in torch.aminmax(positions))
+        if lowest < 0 or highest >= num_blocks * block_size or first < 0 or last >= cos.shape[0]:
+            raise ValueError(f"rope_kv_write: slots in [{lowest}, {highest}] (must be in [0, "
+                             f"{num_blocks * block_size - 1}]), positions in [{first}, {last}] (must be in [0, "
+                             f"{cos.shape[0] - 1}])")
+    qkv = qkv.contiguous()
+    positions = positions.to(torch.int64).contiguous()
+    slot_mapping = slot_mapping.to(torch.int64).contiguous()
+    q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype)
+    _library().rope_kv_write(qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
+                             k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(),
+                             _CODES[qkv.dtype], num_tokens, num_heads, kv_heads, head_dim,
+                             torch.get_num_threads())
+    return q

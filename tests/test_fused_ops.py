@@ -1,0 +1,172 @@
+"""The fused native kernels (kernels/fused.py) against the torch ops they replace, and the model with them against
+the model without."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mini_infer import LLM, SamplingParams
+from mini_infer.kernels import fused
+from mini_infer.model.attention import write_kv
+from mini_infer.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+
+# Only a CPU without AVX2 skips: anywhere else a kernel that fails to build must fail these tests.
+pytestmark = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+                                reason="the native kernels need AVX2 + FMA")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def random(*shape: int, seed: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+
+
+# Rows of 1+, hidden sizes with vector tails (15, 97), torch's cascaded sum (4096, 20000: 16-vector chunks summed
+# in levels) and enough rows for several threads (40 x 1536).
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 896), (1, 15), (3, 64), (5, 97), (2, 4096), (40, 1536), (7, 20000)])
+def test_rms_norm_and_residual_add_equal_torch_bit_for_bit(dtype, rows, hidden):
+    norm = RMSNorm(hidden, 1e-6, dtype=dtype, device="cpu")
+    norm.weight.data = 1.0 + random(hidden, seed=hidden, dtype=dtype, scale=0.2)
+    x = random(rows, hidden, seed=rows, dtype=dtype, scale=3.0)
+    residual = random(rows, hidden, seed=rows + 1, dtype=dtype)
+    assert torch.equal(fused.rms_norm(x, norm.weight, norm.eps), norm(x))
+    out, stream = fused.add_rms_norm(x, residual, norm.weight, norm.eps)
+    assert torch.equal(stream, residual + x) and torch.equal(out, norm(residual + x))
+    assert out.dtype == stream.dtype == dtype
+
+
+def test_silu_and_mul_in_bfloat16_equals_torch_for_every_gate_value():
+    """silu rounds to bfloat16 before the multiply, so each output is a function of one of the 65,536 bfloat16
+    gates and the up value: over all gates (NaN and inf included) the kernel's exp, though not torch's (SLEEF),
+    rounds the same everywhere."""
+    gates = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    gate_up = torch.stack([gates, random(gates.numel(), seed=0, dtype=torch.bfloat16)]).view(1, -1)
+    out, expected = fused.silu_mul(gate_up), silu_and_mul(gate_up)
+    assert torch.equal(out.isnan(), expected.isnan())
+    assert torch.equal(out[~out.isnan()], expected[~expected.isnan()])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,intermediate", [(1, 1), (1, 7), (3, 13), (2, 160), (17, 4864), (1, 8960)])
+def test_silu_and_mul_matches_torch(dtype, rows, intermediate):
+    gate_up = random(rows, 2 * intermediate, seed=intermediate, dtype=dtype, scale=4.0)
+    out, expected = fused.silu_mul(gate_up), silu_and_mul(gate_up)
+    assert out.shape == (rows, intermediate) and out.dtype == dtype
+    if dtype == torch.bfloat16:
+        assert torch.equal(out, expected)
+    else:
+        # Two float32 exp implementations of about 1 ulp each (torch: SLEEF, or libm on a vector's tail): the
+        # results may differ by a few ulps (2.2 at most measured over 200,000 gates), never more.
+        torch.testing.assert_close(out, expected, rtol=4 * 2**-23, atol=0.0)
+
+
+def torch_rope_kv_write(qkv, positions, rotary, k_cache, v_cache, slot_mapping, heads):
+    """Today's torch path: split, rotate q and k, index_copy_ k and v into the caches."""
+    _, _, kv_heads, head_dim = k_cache.shape
+    q, k, v = qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
+    q, k = rotary(positions, q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim))
+    write_kv(k_cache, v_cache, k, v.reshape(-1, kv_heads, head_dim), slot_mapping)
+    return q
+
+
+# GQA and MHA, T = 1 up to several threads' worth of tokens, head dims whose halves are odd (10) or tiny (2).
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 14, 2, 64), (5, 4, 1, 16), (33, 6, 6, 10),
+                                                            (2, 2, 1, 2), (70, 14, 2, 64)])
+def test_rope_and_kv_write_equal_torch_bit_for_bit(dtype, tokens, heads, kv_heads, head_dim):
+    rotary = RotaryEmbedding(head_dim, 1e6, 4096, dtype=dtype, device="cpu")
+    qkv = random(tokens, (heads + 2 * kv_heads) * head_dim, seed=tokens, dtype=dtype)
+    gen = torch.Generator().manual_seed(head_dim)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    num_blocks, block_size = 30, 4
+    slot_mapping = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    # The slots not written keep what they held: a marker value in both pairs of caches.
+    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), 7.0, dtype=dtype)
+    v_cache = k_cache.clone()
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    expected_q = torch_rope_kv_write(qkv, positions, rotary, expected_k, expected_v, slot_mapping, heads)
+    q = fused.rope_kv_write(qkv, positions, rotary.cos, rotary.sin, k_cache, v_cache, slot_mapping, heads)
+    assert q.shape == (tokens, heads, head_dim) and q.dtype == dtype
+    assert torch.equal(q, expected_q) and torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+def _rope_inputs():
+    rotary = RotaryEmbedding(8, 1e4, 16, dtype=torch.float32, device="cpu")
+    k_cache = torch.zeros(3, 4, 1, 8)
+    return dict(qkv=torch.randn(2, 32), positions=torch.tensor([0, 15]), cos=rotary.cos, sin=rotary.sin,
+                k_cache=k_cache, v_cache=k_cache.clone(), slot_mapping=torch.tensor([0, 11]), num_heads=2)
+
+
+@pytest.mark.parametrize("spoil, message", [
+    (lambda a: a.update(slot_mapping=torch.tensor([0, 12])), "slots in \\[0, 12\\] \\(must be in \\[0, 11\\]\\)"),
+    (lambda a: a.update(slot_mapping=torch.tensor([-1, 3])), "slots in \\[-1, 3\\]"),
+    (lambda a: a.update(positions=torch.tensor([0, 16])), "positions in \\[0, 16\\] \\(must be in \\[0, 15\\]\\)"),
+    (lambda a: a.update(positions=torch.tensor([-2, 1])), "positions in \\[-2, 1\\]"),
+    (lambda a: a.update(slot_mapping=torch.tensor([0, 1, 2])), "slot mapping \\(3,\\)"),
+    (lambda a: a.update(num_heads=3), "qkv \\(2, 32\\).*for 3 heads"),
+    (lambda a: a.update(v_cache=a["v_cache"].to(torch.bfloat16)), "caches"),
+    (lambda a: a.update(k_cache=a["k_cache"].transpose(0, 1).contiguous().transpose(0, 1)), "contiguous"),
+])
+def test_rope_kv_write_refuses_inputs_that_would_write_outside_the_caches(spoil, message):
+    args = _rope_inputs()
+    fused.rope_kv_write(**args)  # the unspoilt inputs run
+    spoil(args)
+    with pytest.raises(ValueError, match=message):
+        fused.rope_kv_write(**args)
+
+
+def test_norm_and_activation_refuse_mismatched_tensors():
+    with pytest.raises(ValueError, match="add_rms_norm: .*all \\[T, H\\] and of one dtype"):
+        fused.add_rms_norm(torch.randn(2, 8), torch.randn(2, 8).bfloat16(), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="rms_norm: .*weight \\(7,\\)"):
+        fused.rms_norm(torch.randn(2, 8), torch.ones(7), 1e-6)
+    with pytest.raises(ValueError, match="silu_mul: gate_up \\(2, 7\\)"):
+        fused.silu_mul(torch.randn(2, 7))
+
+
+def torch_rms_norm(x, weight, eps):
+    norm = RMSNorm(weight.shape[0], eps, dtype=weight.dtype, device="cpu")
+    norm.weight.data = weight
+    return norm(x)
+
+
+def prefill_logits(model_dir, dtype: str) -> torch.Tensor:
+    llm = LLM(str(model_dir), dtype=dtype, cpu_kernels="on", block_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=20, ignore_eos=True)
+    outputs = llm.generate([[5, 9, 2, 77, 31], [100, 3]], params, use_tqdm=False)
+    return torch.tensor([[lp.logprob for lp in o.outputs[0].logprobs[0].values()] for o in outputs])
+
+
+def test_model_with_fused_kernels_equals_the_torch_ops_bit_for_bit_in_bfloat16(tiny_model_dir, monkeypatch):
+    """The same native matmuls either way; only the fused norm, activation and RoPE/KV write are swapped for
+    their torch ops, which they reproduce exactly in bfloat16 (the residual stream included)."""
+    fused_logprobs = prefill_logits(tiny_model_dir, "bfloat16")
+    monkeypatch.setattr(fused, "add_rms_norm", lambda x, residual, w, eps: (torch_rms_norm(x + residual, w, eps),
+                                                                            x + residual))
+    monkeypatch.setattr(fused, "rms_norm", torch_rms_norm)
+    monkeypatch.setattr(fused, "silu_mul", silu_and_mul)
+    monkeypatch.setattr(fused, "rope_kv_write", lambda qkv, positions, cos, sin, *rest: torch_rope_kv_write(
+        qkv, positions, _Rotary(cos, sin), *rest))
+    assert torch.equal(prefill_logits(tiny_model_dir, "bfloat16"), fused_logprobs)
+
+
+class _Rotary:
+    """A RotaryEmbedding's forward over given tables."""
+
+    def __init__(self, cos, sin):
+        self.cos, self.sin = cos, sin
+
+    def __call__(self, positions, q, k):
+        return RotaryEmbedding.forward(self, positions, q, k)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_tokens_with_native_kernels_equal_torch_ops(tiny_model_dir, dtype):
+    prompts = [[5, 9, 2, 77, 31, 8, 1], [100, 3], [42]]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    tokens = {}
+    for mode in ("on", "off"):
+        llm = LLM(str(tiny_model_dir), dtype=dtype, cpu_kernels=mode, block_size=4)
+        tokens[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert tokens["on"] == tokens["off"]
