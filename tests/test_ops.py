@@ -64,7 +64,7 @@ def test_a_matmul_path_that_fails_to_build_is_left_out_and_named(monkeypatch):
     broken = dataclasses.replace(cpu._KERNELS["gemm_avx512"], flags=["-mno-such-instruction-set"],
                                  needs=("avx2",))
     monkeypatch.setitem(cpu._KERNELS, "gemm_avx512", broken)
-    cpu._function.cache_clear()
+    cpu.native_function.cache_clear()
     try:
         paths = cpu.matmul_paths(torch.float32)
         assert paths["avx2"] is None and "failed to build cpu_gemm_avx512.cpp" in paths["avx512"]
@@ -73,15 +73,15 @@ def test_a_matmul_path_that_fails_to_build_is_left_out_and_named(monkeypatch):
         assert "not here: avx512: g++ failed to build cpu_gemm_avx512.cpp" in chosen.note
         assert select_ops("on", torch.float32, "cpu").path == "avx2"
     finally:
-        cpu._function.cache_clear()
+        cpu.native_function.cache_clear()
 
 
 def test_a_path_the_cpu_lacks_is_named(monkeypatch):
     monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
-    cpu._function.cache_clear()
+    cpu.native_function.cache_clear()
     try:
         paths = cpu.matmul_paths(torch.bfloat16)
         assert paths["avx512_bf16"] == ("the CPU lacks avx512f, avx512bw, avx512vl, avx512_bf16 (needed by "
                                         "gemm_avx512bf16)")
     finally:
-        cpu._function.cache_clear()
+        cpu.native_function.cache_clear()

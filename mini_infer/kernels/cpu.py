@@ -23,6 +23,7 @@ from mini_infer.kernels.build import KernelUnavailable, build_library
 _BASE_FLAGS = ["-O3", "-fopenmp", "-std=c++17"]
 _AVX2 = [*_BASE_FLAGS, "-mavx2", "-mfma"]
 _AVX512 = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl"]
+_FUSED = [*_AVX2, "-ffp-contract=off"]  # a * b + c must round twice, as torch's two ops do
 DTYPES = (torch.bfloat16, torch.float32)
 _CODES = {torch.float32: 0, torch.bfloat16: 1}
 PANEL = 16  # output columns per panel of a packed weight (cpu_gemm*.cpp)
@@ -48,12 +49,17 @@ _KERNELS = {
                                ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16")),
     "paged_decode_attention": _Kernel("cpu_attention.cpp", "paged_decode_attention", [_P] * 6 + [_I] * 8 + [_F, _I],
                                       None, _AVX2, ("avx2", "fma")),
+    # kernels/fused.py: a decoder layer's elementwise steps, one library.
+    "add_rms_norm": _Kernel("cpu_fused.cpp", "add_rms_norm", [_P] * 5 + [_I] * 3 + [_F, _I, _I], None, _FUSED,
+                            ("avx2", "fma")),
+    "silu_mul": _Kernel("cpu_fused.cpp", "silu_mul", [_P] * 2 + [_I] * 4, None, _FUSED, ("avx2", "fma")),
+    "rope_kv_write": _Kernel("cpu_fused.cpp", "rope_kv_write", [_P] * 8 + [_I] * 6, None, _FUSED, ("avx2", "fma")),
     "shm_allreduce": _Kernel("shm_allreduce.cpp", "shm_allreduce", [_P, _I, _I, _L, ctypes.c_int64, _P, _I, _L], _L,
                              _AVX2, ("avx2", "fma")),
 }
 # The kernels that must build for cpu_kernels to run natively; the AVX-512 matmuls are extra paths where the CPU
 # has them (MATMUL_PATHS).
-_BASE = ("gemm", "paged_decode_attention", "shm_allreduce")
+_BASE = ("gemm", "paged_decode_attention", "add_rms_norm", "silu_mul", "rope_kv_write", "shm_allreduce")
 # Native matmul paths, the weight layout each reads, and its kernel.
 MATMUL_PATHS = {"avx2": ("panels", "gemm"), "avx512": ("panels", "gemm_avx512"),
                 "avx512_bf16": ("pairs", "gemm_avx512bf16")}
@@ -71,7 +77,8 @@ def cpu_flags() -> frozenset[str]:
 
 
 @functools.cache
-def _function(name: str):
+def native_function(name: str):
+    """The named kernel of _KERNELS, built on first use; KernelUnavailable says why it cannot run here."""
     kernel = _KERNELS[name]
     missing = [flag for flag in kernel.needs if flag not in cpu_flags()]
     if missing:
@@ -92,7 +99,7 @@ def unavailable_reason() -> str | None:
     """None when every base kernel builds and loads here, else why not."""
     try:
         for name in _BASE:
-            _function(name)
+            native_function(name)
     except KernelUnavailable as e:
         return str(e)
     return None
@@ -107,7 +114,7 @@ def matmul_paths(dtype: torch.dtype) -> dict[str, str | None]:
             paths[path] = "bf16 products only (the model is float32)"
             continue
         try:
-            _function(kernel)
+            native_function(kernel)
             paths[path] = None
         except KernelUnavailable as e:
             paths[path] = str(e)
@@ -162,10 +169,10 @@ def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = No
     bias_args = (bias.contiguous().data_ptr(), _CODES[bias.dtype]) if bias is not None else (None, 0)
     sizes = (x.shape[0], weight.out_features, x.shape[1], torch.get_num_threads())
     if path == "avx512_bf16":
-        _function("gemm_avx512bf16")(x.data_ptr(), weight.data.data_ptr(), *bias_args, out.data_ptr(),
+        native_function("gemm_avx512bf16")(x.data_ptr(), weight.data.data_ptr(), *bias_args, out.data_ptr(),
                                      _CODES[x.dtype], *sizes)
     else:
-        _function(MATMUL_PATHS[path][1])(x.data_ptr(), _CODES[x.dtype], weight.data.data_ptr(),
+        native_function(MATMUL_PATHS[path][1])(x.data_ptr(), _CODES[x.dtype], weight.data.data_ptr(),
                                          _CODES[weight.dtype], *bias_args, out.data_ptr(), _CODES[x.dtype], *sizes)
     return out
 
@@ -195,7 +202,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_tables = block_tables.to(torch.int64).contiguous()
     context_lens = context_lens.to(torch.int64).contiguous()
     out = torch.empty_like(q)
-    _function("paged_decode_attention")(
+    native_function("paged_decode_attention")(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
         out.data_ptr(), _CODES[q.dtype], _CODES[k_cache.dtype], num_reqs, heads, kv_heads, head_dim, block_size,
         block_tables.shape[1], 1.0 / math.sqrt(head_dim), torch.get_num_threads())
@@ -210,5 +217,5 @@ def shm_allreduce(segment: torch.Tensor, rank: int, world: int, slot_bytes: int,
     """Sum x (contiguous, in place) over the ranks sharing `segment` (shm_allreduce.cpp); returns the rounds used."""
     if x.dtype not in _SHM_CODES or not x.is_contiguous():
         raise ValueError(f"shm all-reduce takes contiguous float32/bfloat16/float64 tensors, got {x.dtype}")
-    return _function("shm_allreduce")(segment.data_ptr(), rank, world, slot_bytes, first_seq, x.data_ptr(),
+    return native_function("shm_allreduce")(segment.data_ptr(), rank, world, slot_bytes, first_seq, x.data_ptr(),
                                           _SHM_CODES[x.dtype], x.numel())

@@ -1,52 +1,19 @@
 """The native fused elementwise kernels of a decoder layer (cpu_fused.cpp): residual add + RMSNorm, SiLU x up,
 RoPE with the K/V cache write. Each rounds exactly where torch's ops on the same dtype round.
 
-Built and loaded like the other native kernels (kernels/cpu.py, whose availability check covers this library).
+Built and loaded with the other native kernels (kernels/cpu.py, whose availability check covers them).
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import warnings
-from pathlib import Path
 
 import torch
 
 from mini_infer.kernels import cpu
-from mini_infer.kernels.build import KernelUnavailable, build_library
 
-SOURCE = "cpu_fused.cpp"
-FLAGS = [*cpu.FLAGS, "-ffp-contract=off"]  # a * b + c must round twice, as torch's two ops do
 _CODES = {torch.float32: 0, torch.bfloat16: 1}
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-_SIGNATURES = {
-    "add_rms_norm": [_P] * 5 + [_I] * 3 + [_F, _I, _I],
-    "silu_mul": [_P] * 2 + [_I] * 4,
-    "rope_kv_write": [_P] * 8 + [_I] * 6,
-}
-
-
-@functools.cache
-def _library() -> ctypes.CDLL:
-    here = Path(__file__).parent
-    library = build_library(here / SOURCE, FLAGS, headers=(here / "bf16.h",))
-    for name, argtypes in _SIGNATURES.items():
-        function = getattr(library, name)
-        function.argtypes, function.restype = argtypes, None
-    return library
-
-
-def unavailable_reason() -> str | None:
-    """None when the fused kernels build and load here, else why not."""
-    reason = cpu.unavailable_reason()  # the CPU check, shared by every native kernel
-    if reason is not None:
-        return reason
-    try:
-        _library()
-    except KernelUnavailable as e:
-        return str(e)
-    return None
 
 
 @functools.cache
@@ -93,7 +60,7 @@ def _add_rms_norm(x, residual, weight, eps):
 def _launch_norm(x, residual, weight, eps, width):
     out = torch.empty_like(x)
     residual_out = torch.empty_like(x) if residual is not None else x
-    _library().add_rms_norm(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
+    cpu.native_function("add_rms_norm")(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
                             out.data_ptr(), residual_out.data_ptr(), _CODES[x.dtype], x.shape[0],
                             x.shape[1], eps, width, torch.get_num_threads())
     return out, residual_out
@@ -105,7 +72,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"silu_mul: gate_up {tuple(gate_up.shape)} {gate_up.dtype} must be [T, 2I] bfloat16/float32")
     gate_up = gate_up.contiguous()
     out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
-    _library().silu_mul(gate_up.data_ptr(), out.data_ptr(), _CODES[gate_up.dtype], *out.shape,
+    cpu.native_function("silu_mul")(gate_up.data_ptr(), out.data_ptr(), _CODES[gate_up.dtype], *out.shape,
                         torch.get_num_threads())
     return out
 
@@ -140,7 +107,7 @@ def rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     positions = positions.to(torch.int64).contiguous()
     slot_mapping = slot_mapping.to(torch.int64).contiguous()
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype)
-    _library().rope_kv_write(qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
+    cpu.native_function("rope_kv_write")(qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
                              k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(),
                              _CODES[qkv.dtype], num_tokens, num_heads, kv_heads, head_dim,
                              torch.get_num_threads())

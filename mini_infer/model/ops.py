@@ -119,7 +119,7 @@ def select_ops(mode: str, dtype: torch.dtype, device: str | torch.device) -> Ops
             raise ValueError(f"cpu_kernels 'on' runs bfloat16/float32 models on the CPU, not {dtype} on {device}")
         return Ops(False, f"torch ops (the native kernels cover bfloat16/float32 on the CPU, not {dtype} "
                           f"on {device})")
-    reason = fused.unavailable_reason()  # the fused kernels' and every other native kernel's
+    reason = cpu.unavailable_reason()
     if reason is not None:
         if mode == "on":
             raise ValueError(f"cpu_kernels 'on' but the native kernels are unavailable: {reason}")
