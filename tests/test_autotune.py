@@ -161,3 +161,17 @@ def test_an_autotuned_model_matches_hf_logits_with_both_paths(monkeypatch, tmp_p
             expected = hf(torch.tensor([prompt])).logits[0].float()
         torch.testing.assert_close(logits[:, : expected.shape[-1]].float(), expected, rtol=1e-3, atol=1e-3)
     assert cpu.PackedWeight not in {type(getattr(m, n)) for m, n in model.linear_weights()}
+
+
+def test_processes_sharing_a_cache_keep_each_other_s_shapes(tmp_path):
+    """Two tuners on one file (two replicas, say): each saves its own shape without dropping the other's, and a
+    shape the other timed is read from the file, not timed again."""
+    path = tmp_path / "linear.json"
+    calls = []
+    first = LinearTuner("k", split_timer(calls), ("avx2", "torch"), path)
+    second = LinearTuner("k", split_timer(calls), ("avx2", "torch"), path)  # loaded before either saved
+    first.winners(48, 32)
+    second.winners(64, 16)
+    assert set(json.loads(path.read_text())) == {"48x32", "64x16"}
+    timed = len(calls)
+    assert second.winners(48, 32) == first.winners(48, 32) and len(calls) == timed

@@ -28,10 +28,11 @@ ADDED_TOKENS = [
 DEFAULT_SYSTEM = "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
 
 
-@pytest.fixture(scope="session", autouse=True)
-def session_cache(tmp_path_factory) -> Path:
-    """A private cache for this module, so the tokenizer is converted once here and never
-    read from (or written to) the user's cache."""
+@pytest.fixture(scope="module", autouse=True)
+def module_cache(tmp_path_factory) -> Path:
+    """A private cache for this module's tests, so the tokenizer is converted once here and never read from (or
+    written to) the user's cache. Module-scoped: session scope left every later test module on it, so each
+    process they spawned rebuilt the native kernels and re-timed the matmuls, and the peers looked not set up."""
     path = tmp_path_factory.mktemp("mini-infer-cache")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MINI_INFER_CACHE", str(path))
@@ -101,8 +102,8 @@ def test_chat_template_with_system_and_generation_prompt(hf_tokenizer):
     assert encoded["input_ids"] == hf_tokenizer.encode(expected)
 
 
-def test_tokenizer_cache_is_reused(session_cache, tokenizer_dir, tmp_path, monkeypatch):
-    cached = list((session_cache / "tokenizers").glob("*.json"))
+def test_tokenizer_cache_is_reused(module_cache, tokenizer_dir, tmp_path, monkeypatch):
+    cached = list((module_cache / "tokenizers").glob("*.json"))
     assert len(cached) == 1
     monkeypatch.setattr(tokenizer, "_build_tokenizer_json", lambda _: pytest.fail("rebuilt a cached tokenizer"))
     write_tokenizer(tmp_path)
@@ -252,7 +253,7 @@ def test_qwen25_05b_preset_matches_published_config():
     assert parameter_count(preset) == 494_032_768
 
 
-def test_ensure_default_model_writes_once(session_cache, monkeypatch):
+def test_ensure_default_model_writes_once(module_cache, monkeypatch):
     written = []
 
     def fake_make_model(preset, out_dir):
@@ -263,7 +264,7 @@ def test_ensure_default_model_writes_once(session_cache, monkeypatch):
     monkeypatch.setattr(checkpoint, "make_model", fake_make_model)
     messages = []
     path = ensure_default_model(log=messages.append)
-    assert path == default_model_dir() == session_cache / "models" / "qwen2.5-0.5b-random"
+    assert path == default_model_dir() == module_cache / "models" / "qwen2.5-0.5b-random"
     assert written == ["qwen2.5-0.5b"] and (path / "model.safetensors").is_file()
     assert len(messages) == 1 and str(path) in messages[0] and "random" in messages[0].lower()
     assert ensure_default_model(log=messages.append) == path

@@ -8,6 +8,7 @@ version, the kernel's source, the thread count and the dtype. A changed key time
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -95,6 +96,8 @@ class LinearTuner:
     def winners(self, out_features: int, in_features: int) -> tuple[str, ...]:
         name = f"{out_features}x{in_features}"
         if name not in self._table:
+            self._table = {**self._load(), **self._table}  # another process may have timed it meanwhile
+        if name not in self._table:
             print(f"[mini-infer] timing the matmul paths for a {out_features} x {in_features} weight once "
                   f"(cached in {self.path.parent})", file=sys.stderr)
             self._table[name] = [min(self.candidates, key=lambda c: self.timer(c, rows, out_features, in_features))
@@ -107,12 +110,16 @@ class LinearTuner:
         return {name: list(winners) for name, winners in self._table.items()}
 
     def _save(self) -> None:
-        """Atomically, so that ranks tuning at once never read half a file."""
+        """Merged with what other processes (ranks, replicas, other engines) saved meanwhile, under a lock, and
+        replaced atomically, so that no process reads half a file or drops another's shapes."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(self._table, f, indent=1)
-        os.replace(tmp, self.path)
+        with open(self.path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self._table = {**self._load(), **self._table}
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(self._table, f, indent=1)
+            os.replace(tmp, self.path)
 
 
 def describe_choices(choices: dict[str, list[str]]) -> list[str]:
