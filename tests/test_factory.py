@@ -39,21 +39,21 @@ def module_cache(tmp_path_factory) -> Path:
         yield path
 
 
-@pytest.fixture(scope="session")
-def tokenizer_dir(tmp_path_factory) -> Path:
+@pytest.fixture(scope="module")
+def tokenizer_dir(module_cache, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tokenizer")
     write_tokenizer(path)
     return path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def hf_tokenizer(tokenizer_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, tokenizer_dir) -> Path:
     return make_model("tiny", tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
