@@ -175,3 +175,25 @@ def test_processes_sharing_a_cache_keep_each_other_s_shapes(tmp_path):
     assert set(json.loads(path.read_text())) == {"48x32", "64x16"}
     timed = len(calls)
     assert second.winners(48, 32) == first.winners(48, 32) and len(calls) == timed
+
+
+@needs_kernels
+def test_decode_sized_calls_are_timed_with_the_weight_evicted_from_the_caches(monkeypatch):
+    """Up to STREAMING_ROWS rows each timed call reads a buffer larger than the last-level cache first (a model's
+    weights stream from memory there); larger calls are timed as they come; release drops the timing data."""
+    monkeypatch.setattr(ops_module, "last_level_cache_bytes", lambda: 2**20)
+    timer = ops_module._LinearTimer(torch.float32)
+    evictions = []
+    original = timer._evict
+    monkeypatch.setattr(timer, "_evict", lambda: evictions.append(1) or original())
+    timer("avx2", ops_module._LinearTimer.STREAMING_ROWS, 40, 24)
+    assert len(evictions) == autotune._REPS and timer._evict_buffer.numel() * 4 == 5 * 2**20 // 4
+    timer("torch", ops_module._LinearTimer.STREAMING_ROWS + 1, 40, 24)
+    assert len(evictions) == autotune._REPS
+    timer.release()
+    assert timer._evict_buffer is None and timer._weights == {}
+
+
+def test_the_last_level_cache_size_comes_from_sysfs():
+    size = autotune.last_level_cache_bytes()
+    assert size >= 2**20 and size % 1024 == 0

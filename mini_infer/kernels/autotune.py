@@ -60,17 +60,30 @@ def machine_key(dtype: torch.dtype, kernel_source: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
 
 
-def median_ms(run: Callable[[], object]) -> float:
+def median_ms(run: Callable[[], object], before: Callable[[], object] | None = None) -> float:
+    """The median time of `run`, after one warm-up call; `before` (untimed) runs ahead of each call."""
     start = time.perf_counter()
     run()  # warm: first-touch pages, oneDNN's primitive cache
     # A slow call (a large prefill of the LM head, say) is steady enough to need fewer repetitions.
     reps = _REPS if time.perf_counter() - start < _SLOW_S else 2
     times = []
     for _ in range(reps):
+        if before is not None:
+            before()
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
     return 1000 * statistics.median(times)
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache sysfs reports (32 MiB where it reports none)."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip()
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return max(sizes, default=32 * 2**20)
 
 
 class LinearTuner:

@@ -20,7 +20,7 @@ from torch.profiler import record_function
 
 from mini_infer.config import CPU_KERNEL_MODES
 from mini_infer.kernels import cpu, fused
-from mini_infer.kernels.autotune import LinearTuner, bucket_index, machine_key, median_ms
+from mini_infer.kernels.autotune import LinearTuner, bucket_index, last_level_cache_bytes, machine_key, median_ms
 from mini_infer.model.attention import AttentionMetadata, paged_attention, write_kv
 from mini_infer.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 
@@ -104,6 +104,9 @@ class Ops:
             layouts = {cpu.MATMUL_PATHS[w][0] for w in winners if w != "torch"}
             setattr(module, name, TunedWeight({layout: cpu.pack_weight(weight, layout) for layout in sorted(layouts)},
                                               weight if "torch" in winners else None, winners))
+        timer = getattr(self.tuner, "timer", None)
+        if isinstance(timer, _LinearTimer):
+            timer.release()
 
     def matmul_choices(self) -> dict[str, list[str]] | None:
         """What the autotuner chose per weight shape and bucket (None without one), for reports."""
@@ -138,10 +141,27 @@ def select_ops(mode: str, dtype: torch.dtype, device: str | torch.device) -> Ops
 
 
 class _LinearTimer:
-    """Times one candidate matmul on random data of a weight's shape (the weights made once per shape)."""
+    """Times one candidate matmul on random data of a weight's shape (the weights made once per shape).
+
+    Up to STREAMING_ROWS rows a decode step's matmuls stream their weights from memory (a model's weights far
+    exceed the caches), so those calls are timed with the weight evicted from every cache level first: timed
+    cache-hot, a kernel that streams memory best could lose to one that only computes faster."""
+
+    STREAMING_ROWS = 8
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype, self._shape, self._weights = dtype, None, {}
+        self._evict_buffer: torch.Tensor | None = None
+
+    def release(self) -> None:
+        """Drop the timing data (the last shape's weights, the eviction buffer) once the model's weights are
+        prepared."""
+        self._shape, self._weights, self._evict_buffer = None, {}, None
+
+    def _evict(self) -> None:
+        if self._evict_buffer is None:  # 1.25x the last-level cache, read once per timed call
+            self._evict_buffer = torch.ones(last_level_cache_bytes() * 5 // 16, dtype=torch.float32)
+        self._evict_buffer.sum()
 
     def __call__(self, candidate: str, rows: int, out_features: int, in_features: int) -> float:
         if self._shape != (out_features, in_features):
@@ -149,10 +169,11 @@ class _LinearTimer:
             self._weights = {"torch": torch.randn(out_features, in_features).to(self.dtype)}
         dense = self._weights["torch"]
         x = torch.randn(rows, in_features).to(self.dtype)
+        before = self._evict if rows <= self.STREAMING_ROWS else None
         if candidate == "torch":
-            return median_ms(lambda: F.linear(x, dense))
+            return median_ms(lambda: F.linear(x, dense), before)
         layout = cpu.MATMUL_PATHS[candidate][0]
         if layout not in self._weights:
             self._weights[layout] = cpu.pack_weight(dense, layout)
         packed = self._weights[layout]
-        return median_ms(lambda: cpu.linear(x, packed, None, candidate))
+        return median_ms(lambda: cpu.linear(x, packed, None, candidate), before)
