@@ -97,7 +97,8 @@ def test_non_contiguous_input_is_read_correctly():
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(64, 6, generator=gen).T  # [6, 64], transposed view
     weight = torch.randn(5, 64, generator=gen)
-    torch.testing.assert_close(cpu.linear(x, cpu.pack_weight(weight)).double(), reference(x, weight, None), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cpu.linear(x, cpu.pack_weight(weight)).double(), reference(x, weight, None),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_rejects_weights_it_cannot_read():

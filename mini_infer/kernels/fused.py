@@ -60,9 +60,9 @@ def _add_rms_norm(x, residual, weight, eps):
 def _launch_norm(x, residual, weight, eps, width):
     out = torch.empty_like(x)
     residual_out = torch.empty_like(x) if residual is not None else x
-    cpu.native_function("add_rms_norm")(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
-                            out.data_ptr(), residual_out.data_ptr(), _CODES[x.dtype], x.shape[0],
-                            x.shape[1], eps, width, torch.get_num_threads())
+    cpu.native_function("add_rms_norm")(
+        x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(), out.data_ptr(),
+        residual_out.data_ptr(), _CODES[x.dtype], x.shape[0], x.shape[1], eps, width, torch.get_num_threads())
     return out, residual_out
 
 
@@ -73,7 +73,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
     cpu.native_function("silu_mul")(gate_up.data_ptr(), out.data_ptr(), _CODES[gate_up.dtype], *out.shape,
-                        torch.get_num_threads())
+                                    torch.get_num_threads())
     return out
 
 
@@ -107,8 +107,8 @@ def rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     positions = positions.to(torch.int64).contiguous()
     slot_mapping = slot_mapping.to(torch.int64).contiguous()
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype)
-    cpu.native_function("rope_kv_write")(qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
-                             k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(),
-                             _CODES[qkv.dtype], num_tokens, num_heads, kv_heads, head_dim,
-                             torch.get_num_threads())
+    cpu.native_function("rope_kv_write")(
+        qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k_cache.data_ptr(),
+        v_cache.data_ptr(), slot_mapping.data_ptr(), _CODES[qkv.dtype], num_tokens, num_heads, kv_heads, head_dim,
+        torch.get_num_threads())
     return q
