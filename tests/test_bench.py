@@ -13,7 +13,7 @@ from mini_infer.bench.hf import left_pad
 from mini_infer.bench.prompts import TEXTS, fixed_prompts, load_stream, random_requests
 from mini_infer.bench.options import WORKLOADS
 from mini_infer.bench.report import RunResult, count_output_tokens, percentile
-from mini_infer.bench.roofline import Ceilings, DecodeCost, roofline
+from mini_infer.bench.roofline import Ceilings, DecodeCost, prefill_flops, roofline
 from mini_infer.bench.run import WORKLOADS as WORKLOAD_REGISTRY
 from mini_infer.bench.systems import DEFAULT_SYSTEMS, SystemFactory
 from mini_infer.config import ModelConfig
@@ -109,6 +109,46 @@ def _fake_config(tie: bool) -> ModelConfig:
     return ModelConfig(hidden_size=4, intermediate_size=8, num_hidden_layers=2, num_attention_heads=2,
                        num_key_value_heads=1, head_dim=2, vocab_size=10, rms_norm_eps=1e-6, rope_theta=1e4,
                        tie_word_embeddings=tie, max_position_embeddings=64, torch_dtype="bfloat16")
+
+
+def test_prefill_workload_writes_table_json_and_chart(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "results"
+    assert main(["bench", "--workload", "prefill", "--model", str(tiny_model_dir), "--dtype", "float32",
+                 "--systems", "hf-generate,mini-infer", "--prompt-len", "24", "--reps", "2", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "TTFT ms" in printed and "% compute peak" in printed and "one prompt of 24 tokens" in printed
+    report = json.loads((out / "prefill.json").read_text())
+    flops = prefill_flops(ModelConfig.from_dir(tiny_model_dir), 24)
+    assert report["prefill_flops"] == flops and report["config"]["prompt_len"] == 24
+    assert set(report["systems"]) == {"hf-generate", "mini-infer"}
+    for system in report["systems"].values():
+        summary, runs = system["summary"], system["runs"]
+        assert len(runs) == 2 and all(run["ttft_s"] > 0 for run in runs)
+        ttft = summary["ttft_s"]["median"]
+        assert summary["prompt_tok_s"] == pytest.approx(24 / ttft)
+        assert summary["gflops"] == pytest.approx(flops / ttft / 1e9)
+        assert summary["pct_of_compute_peak"] == pytest.approx(100 * summary["gflops"]
+                                                               / report["ceilings"]["compute_peak_gflops"])
+    hf, ours = (report["systems"][n]["summary"] for n in ("hf-generate", "mini-infer"))
+    assert ours["speedup_vs_hf_generate"] == pytest.approx(hf["ttft_s"]["median"] / ours["ttft_s"]["median"])
+    assert (out / "prefill.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_prefill_flops_match_torchs_flop_counter_on_the_hf_model(tiny_model_dir):
+    """torch's FlopCounterMode over HF's forward (eager attention, logits for the last token only) counts every
+    matmul; its attention multiplies the full P x P square, of which a causal prefill needs the lower triangle."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="eager")
+    config, prompt_len = ModelConfig.from_dir(tiny_model_dir), 40
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(torch.arange(prompt_len)[None] + 100, logits_to_keep=1)
+    q_size = config.num_attention_heads * config.head_dim
+    square = 2 * 2 * q_size * prompt_len * prompt_len * config.num_hidden_layers
+    causal = 2 * 2 * q_size * prompt_len * (prompt_len + 1) // 2 * config.num_hidden_layers
+    assert prefill_flops(config, prompt_len) == counter.get_total_flops() - square + causal
 
 
 def test_every_workload_choice_has_its_registry_entry():

@@ -13,15 +13,16 @@ from mini_infer.bench.peers import GGUF_OUTTYPES, PEER_NAMES
 from mini_infer.bench.systems import DEFAULT_SYSTEMS
 from mini_infer.bench.systems import SYSTEM_NAMES as SYSTEMS
 
-WORKLOADS = ("fixed", "random", "parallel", "shared-prefix", "long-prompt")
+WORKLOADS = ("fixed", "prefill", "random", "parallel", "shared-prefix", "long-prompt")
 DTYPES = ("bfloat16", "float32")
 _SIZES = {"dp": "data_parallel_size", "tp": "tensor_parallel_size", "pp": "pipeline_parallel_size"}
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", choices=WORKLOADS, default="fixed",
-                        help="fixed: a sweep over batch sizes, every request the same length; random: requests of "
-                             "random lengths, all submitted at once; shared-prefix: prefix caching on vs off; "
+                        help="fixed: a sweep over batch sizes, every request the same length; prefill: one prompt "
+                             "of --prompt-len tokens and one new token (time to first token, GFLOP/s against the "
+                             "matmul peak); random: requests of random lengths, all submitted at once; shared-prefix: prefix caching on vs off; "
                              "long-prompt: chunked prefill on vs off (README: Prefix caching and chunked prefill)")
     parser.add_argument("--model", default=None, help="local HF-format model directory (default: the random-weight "
                                                       "qwen2.5-0.5b preset)")
@@ -32,11 +33,11 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                              "cache on first use (minutes), or skipped with the reason")
     parser.add_argument("--gguf-outtype", choices=GGUF_OUTTYPES, default=None,
                         help="llama.cpp's weight type, converted once per checkpoint (default: --dtype's, bf16 or f32)")
-    parser.add_argument("--reps", type=int, default=None, help="timed runs per setting (default 3 fixed, 1 random)")
+    parser.add_argument("--reps", type=int, default=None, help="timed runs per setting (default 3, random 1)")
     parser.add_argument("--out", default=None, help="results folder (default bench-results/<timestamp>)")
-    fixed = parser.add_argument_group("fixed workload")
+    fixed = parser.add_argument_group("fixed and prefill workloads")
     fixed.add_argument("--batch-sizes", default="1,8", help="comma list")
-    fixed.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request")
+    fixed.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request (prefill: try 512)")
     # 32 keeps the default run near 5 minutes on 2 cores, where HF's bf16 takes ~0.6 s a step at batch 8.
     fixed.add_argument("--max-new-tokens", type=int, default=32, help="new tokens per request")
     fixed.add_argument("--warmup-tokens", type=int, default=8, help="new tokens per request in the warm-up run")

@@ -98,3 +98,15 @@ def roofline(cost: DecodeCost, ceilings: Ceilings, batch_size: int) -> RooflineP
     compute_s = 2 * cost.matmul_params * batch_size / (ceilings.compute_peak_gflops * 1e9)
     step_s = max(memory_s, compute_s)
     return RooflinePoint(batch_size, step_s, batch_size / step_s, "memory" if memory_s >= compute_s else "compute")
+
+
+def prefill_flops(config: ModelConfig, prompt_len: int) -> int:
+    """The multiply-adds (x2) of one prompt's prefill: every layer linear over all its tokens, causal attention
+    (q k^T and the weighted sum of v over each token's prefix) and the LM head on its last token only."""
+    q_size = config.num_attention_heads * config.head_dim
+    kv_size = config.num_key_value_heads * config.head_dim
+    hidden = config.hidden_size
+    linear = hidden * (q_size + 2 * kv_size) + q_size * hidden + 3 * hidden * config.intermediate_size
+    attention = 2 * q_size * prompt_len * (prompt_len + 1) // 2  # scores and weighted sum, per layer
+    return 2 * (config.num_hidden_layers * (linear * prompt_len + attention) + config.vocab_size * hidden)
+

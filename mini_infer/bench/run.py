@@ -10,13 +10,13 @@ from mini_infer.bench.features import LONG_PROMPT, SHARED_PREFIX
 from mini_infer.bench.options import BenchOptions
 from mini_infer.bench.parallel import PARALLEL
 from mini_infer.bench.report import Workload, describe_machine, format_table, machine_info, versions, write_json
-from mini_infer.bench.throughput import FIXED, RANDOM
+from mini_infer.bench.throughput import FIXED, PREFILL, RANDOM
 from mini_infer.config import ModelConfig
 from mini_infer.kernels.autotune import describe_choices
 
 WORKLOADS = {  # one per options.WORKLOADS name
-    "fixed": FIXED, "random": RANDOM, "parallel": PARALLEL, "shared-prefix": SHARED_PREFIX,
-             "long-prompt": LONG_PROMPT}
+    "fixed": FIXED, "prefill": PREFILL, "random": RANDOM, "parallel": PARALLEL, "shared-prefix": SHARED_PREFIX,
+    "long-prompt": LONG_PROMPT}
 
 
 def _log(message: str) -> None:
@@ -59,6 +59,7 @@ def table(workload: Workload, report: dict) -> str:
 def _check_lengths(options: BenchOptions, model_dir: str) -> None:
     limit = ModelConfig.from_dir(model_dir).max_position_embeddings
     longest = {"fixed": ("--prompt-len + --max-new-tokens", options.prompt_len + options.max_new_tokens),
+               "prefill": ("--prompt-len + 1", options.prompt_len + 1),
                "parallel": ("--prompt-len + --parallel-new-tokens", options.prompt_len + options.parallel_new_tokens),
                "random": ("the longest request (--input-len-range HIGH + --output-len-range HIGH)",
                           options.input_len_range[1] + options.output_len_range[1])}.get(options.workload)

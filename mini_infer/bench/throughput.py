@@ -1,6 +1,8 @@
 """The workloads that compare the systems: fixed (per batch size B, B real-text prompts of one length, output
-tokens/s against the decode roofline measured on this machine) and random (requests of random input and output
-lengths submitted at once; throughput and request latency, finish time minus the common submit time)."""
+tokens/s against the decode roofline measured on this machine), prefill (one long real-text prompt and one new
+token: time to first token and the GFLOP/s it ran at against the machine's matmul peak) and random (requests of
+random input and output lengths submitted at once; throughput and request latency, finish time minus the common
+submit time)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from mini_infer.bench.charts import Panel, Series
 from mini_infer.bench.options import BenchOptions
 from mini_infer.bench.prompts import fixed_prompts, load_stream, random_requests
 from mini_infer.bench.report import Column, RunResult, Workload, percentile, speedup, summarize
-from mini_infer.bench.roofline import Ceilings, DecodeCost, measure_ceilings, roofline
+from mini_infer.bench.roofline import Ceilings, DecodeCost, measure_ceilings, prefill_flops, roofline
 from mini_infer.bench.systems import Case, SystemFactory, run_systems
 from mini_infer.config import ModelConfig
 
@@ -98,6 +100,56 @@ def _fixed_chart(report: dict) -> tuple[str, list[Panel]]:
             [Panel("output tokens / s", sizes, series, lines=True, xlabel="batch size")])
 
 
+def run_prefill(options: BenchOptions, model_dir: str, log: Callable[[str], None]) -> dict:
+    """One request of --prompt-len tokens and a single new token: its wall time is the time to first token."""
+    prompt = fixed_prompts(load_stream(model_dir), 1, options.prompt_len)
+    case = Case("prefill", prompt, [1], prompt, [1])
+    dtype = getattr(torch, options.dtype)
+    log(f"measuring the machine's ceilings ({options.dtype} matmul, memory read)")
+    ceilings = measure_ceilings(dtype)
+    flops = prefill_flops(ModelConfig.from_dir(model_dir), options.prompt_len)
+    factory = SystemFactory(model_dir, options.dtype, max_requests=1, max_seq_len=options.prompt_len + 1,
+                            gguf_outtype=options.gguf_outtype, log=log)
+    records = run_systems(factory, list(options.systems), [case], options.reps, log)
+    systems = {}
+    for name, record in records.items():
+        runs = [{"ttft_s": run.wall_s, "gflops": flops / run.wall_s / 1e9} for run in record["runs"].get("prefill", [])]
+        summary = None
+        if runs:
+            ttft = summarize([run["ttft_s"] for run in runs])
+            gflops = flops / ttft["median"] / 1e9
+            summary = {"ttft_s": ttft, "prompt_tok_s": options.prompt_len / ttft["median"], "gflops": gflops,
+                       "pct_of_compute_peak": 100 * gflops / ceilings.compute_peak_gflops}
+        systems[name] = {"reason": record["reason"], "setup": record["setup"], "runs": runs, "summary": summary}
+    base = (systems.get(BASELINE) or {}).get("summary")
+    for summary in (s["summary"] for s in systems.values() if s["summary"] is not None):
+        summary["speedup_vs_hf_generate"] = speedup(base["ttft_s"]["median"], summary["ttft_s"]["median"]) \
+            if base else None
+    config = {"model": model_dir, "dtype": options.dtype, "systems": list(options.systems), "reps": options.reps,
+              "prompt_len": options.prompt_len, "max_new_tokens": 1}
+    return {"workload": "prefill", "config": config, "ceilings": asdict(ceilings), "prefill_flops": flops,
+            "systems": systems}
+
+
+def _prefill_headline(report: dict) -> list[str]:
+    config, ceilings = report["config"], report["ceilings"]
+    measured = ", ".join(f"{dtype} {rate:.1f}" for dtype, rate in ceilings["matmul_gflops"].items())
+    return [f"{config['model']} ({config['dtype']}), one prompt of {config['prompt_len']} tokens and 1 new token "
+            f"(its prefill: {report['prefill_flops'] / 1e9:.1f} GFLOP), {config['reps']} reps",
+            f"ceiling: compute {ceilings['compute_peak_gflops']:.1f} GFLOP/s ({ceilings['compute_peak_source']} "
+            f"matmul; measured {measured})"]
+
+
+def _prefill_chart(report: dict) -> tuple[str, list[Panel]]:
+    ran = {name: s["summary"] for name, s in report["systems"].items() if s["summary"] is not None}
+    names, config = list(ran), report["config"]
+    return (f"prefill of {config['prompt_len']} tokens, {Path(config['model']).name}, {config['dtype']}",
+            [Panel("time to first token (ms)", names, [Series("TTFT", [1e3 * ran[n]["ttft_s"]["median"]
+                                                                       for n in names])]),
+             Panel("GFLOP/s", names, [Series("achieved", [ran[n]["gflops"] for n in names]),
+                                      Series("compute peak", [report["ceilings"]["compute_peak_gflops"]] * len(names))])])
+
+
 def run_random(options: BenchOptions, model_dir: str, log: Callable[[str], None]) -> dict:
     """Every system serves the same seeded requests."""
     requests = random_requests(load_stream(model_dir), options.num_requests, options.input_len_range,
@@ -166,3 +218,10 @@ RANDOM = Workload(run_random, _random_headline, (
     Column("p99 latency s", "latency_p99_s", "{0[median]:.2f}"), VS_BASELINE),
     lambda report: [{"system": name, **s["summary"]} for name, s in report["systems"].items() if s["summary"]],
     _random_chart)
+PREFILL = Workload(run_prefill, _prefill_headline, (
+    Column("system", "system"), Column("TTFT ms", "ttft_s", "{0[median]:.0f}"),
+    Column("min-max ms", "ttft_s", "{0[min]:.0f}-{0[max]:.0f}"),
+    Column("prompt tok/s", "prompt_tok_s", "{:.0f}"), Column("GFLOP/s", "gflops", "{:.1f}"),
+    Column("% compute peak", "pct_of_compute_peak", "{:.0f}%"), VS_BASELINE),
+    lambda report: [{"system": name, **s["summary"]} for name, s in report["systems"].items() if s["summary"]],
+    _prefill_chart)
