@@ -105,7 +105,8 @@ def test_the_real_timer_times_every_candidate_this_cpu_runs(dtype):
 @needs_kernels
 @pytest.mark.parametrize("winners, layouts, dense", [(("avx2",) * len(BUCKETS), {"panels"}, False),
                                                     (("torch",) * len(BUCKETS), set(), True),
-                                                    (("avx512_bf16", "avx512") * 5, {"panels", "pairs"}, False),
+                                                    (("avx512_bf16", "avx512") * 5, {"pairs"}, False),
+                                                    (("avx2", "avx512") * 5, {"panels", "pairs"}, False),
                                                     (("avx512_bf16",) * 9 + ("torch",), {"pairs"}, True)])
 def test_a_weight_keeps_only_the_forms_its_winners_need(winners, layouts, dense):
     module = torch.nn.Module()

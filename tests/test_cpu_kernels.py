@@ -48,7 +48,7 @@ def test_matches_float64_matmul(path, weight_dtype, rows, cols, inner, with_bias
         x = x.to(torch.bfloat16)
     weight = torch.randn(cols, inner, generator=gen).to(weight_dtype)
     bias = torch.randn(cols, generator=gen).to(weight_dtype) if with_bias else None
-    out = cpu.linear(x, cpu.pack_weight(weight, cpu.MATMUL_PATHS[path][0]), bias, path)
+    out = cpu.linear(x, cpu.pack_weight(weight, cpu.weight_layout(path, weight.dtype)), bias, path)
     assert out.dtype == x.dtype and out.shape == (rows, cols)
     expected = reference(x, weight, bias)
     scale = (x.double().abs() @ weight.double().abs().T).max().item() + 1.0
@@ -68,7 +68,7 @@ def test_bfloat16_activations_come_back_in_bfloat16(path):
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
     weight = torch.randn(20, 64, generator=gen).to(torch.bfloat16)
-    out = cpu.linear(x, cpu.pack_weight(weight, cpu.MATMUL_PATHS[path][0]), None, path)
+    out = cpu.linear(x, cpu.pack_weight(weight, cpu.weight_layout(path, weight.dtype)), None, path)
     assert out.dtype == torch.bfloat16
     expected = reference(x, weight, None)
     torch.testing.assert_close(out.double(), expected.to(torch.bfloat16).double(), rtol=1e-2, atol=1e-2)
@@ -80,15 +80,17 @@ def test_nan_and_ties_round_like_torch():
     # One input column and a weight of one: the output is x itself, after the kernel's float32 -> bf16 rounding.
     x = torch.tensor([[1.0 + 2**-8], [1.0 + 3 * 2**-8], [float("nan")], [-3.0 - 2**-7 - 2**-9]]).to(torch.float32)
     weight = torch.ones(1, 1)
-    out = cpu.linear(x.to(torch.bfloat16), cpu.pack_weight(weight.to(torch.bfloat16)), None, "avx512")
+    out = cpu.linear(x.to(torch.bfloat16), cpu.pack_weight(weight.to(torch.bfloat16), "pairs"), None, "avx512")
     exact = cpu.linear(x, cpu.pack_weight(weight), None, "avx512").to(torch.bfloat16)
     assert torch.equal(out.isnan(), exact.isnan()) and torch.equal(out[:2], exact[:2])
 
 
 def test_a_path_refuses_a_weight_of_another_layout():
     weight = torch.randn(20, 64).to(torch.bfloat16)
-    with pytest.raises(ValueError, match="on path 'avx512_bf16' does not match a panels weight"):
+    with pytest.raises(ValueError, match="on path 'avx512_bf16' does not match a panels torch.bfloat16 weight"):
         cpu.linear(torch.randn(2, 64).to(torch.bfloat16), cpu.pack_weight(weight), None, "avx512_bf16")
+    with pytest.raises(ValueError, match="on path 'avx512' does not match a panels torch.bfloat16 weight"):
+        cpu.linear(torch.randn(2, 64), cpu.pack_weight(weight), None, "avx512")
     with pytest.raises(ValueError, match="'pairs' for a bfloat16 weight"):
         cpu.pack_weight(weight.float(), "pairs")
 
@@ -104,7 +106,7 @@ def test_non_contiguous_input_is_read_correctly():
 def test_rejects_weights_it_cannot_read():
     with pytest.raises(ValueError, match="packs 2-d CPU bfloat16/float32 weights"):
         cpu.pack_weight(torch.randn(3, 4, dtype=torch.float64))
-    with pytest.raises(ValueError, match="does not match a panels weight of 3 x 4"):
+    with pytest.raises(ValueError, match="does not match a panels torch.float32 weight of 3 x 4"):
         cpu.linear(torch.randn(2, 5), cpu.pack_weight(torch.randn(3, 4)))
 
 

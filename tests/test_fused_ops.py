@@ -125,6 +125,30 @@ def test_norm_and_activation_refuse_mismatched_tensors():
         fused.silu_mul(torch.randn(2, 7))
 
 
+# Ties (the first wins), NaN (the first NaN wins, over +inf), all -inf, rows sliced from wider ones (a padded
+# vocabulary), lengths around the kernel's 32-value steps and a real vocabulary's 151,936.
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,columns", [(1, 1), (3, 7), (4, 31), (4, 32), (4, 33), (5, 100), (32, 151936)])
+def test_argmax_equals_torch(dtype, rows, columns):
+    x = random(rows, columns + 5, seed=columns, dtype=dtype)[:, :columns]
+    x[0, columns // 2] = x[0].max()
+    if rows > 1:
+        x[1, 0], x[1, -1] = float("inf"), float("nan")
+    if rows > 2:
+        x[2] = float("-inf")
+    if rows > 3 and columns > 2:
+        x[3, 1], x[3, 2] = float("nan"), float("nan")
+    out = fused.argmax(x)
+    assert out.dtype == torch.int64 and torch.equal(out, x.argmax(dim=-1))
+
+
+def test_argmax_refuses_what_it_cannot_read():
+    for x, message in ((torch.randn(2, 8).t(), "each row contiguous"), (torch.randn(8), "\\(8,\\)"),
+                       (torch.randn(2, 0), "C > 0"), (torch.randn(2, 8).double(), "float64")):
+        with pytest.raises(ValueError, match=message):
+            fused.argmax(x)
+
+
 def torch_rms_norm(x, weight, eps):
     norm = RMSNorm(weight.shape[0], eps, dtype=weight.dtype, device="cpu")
     norm.weight.data = weight

@@ -37,8 +37,8 @@ def make_request(params: SamplingParams, prompt=(0,), output=(), eos=(), seed: i
 class BatchSampler:
     """A Sampler used as the runner uses it: each request takes a slot of its own the first time it is seen."""
 
-    def __init__(self, vocab_size: int, device: torch.device, seed: int) -> None:
-        self.sampler = Sampler(vocab_size, device, seed)
+    def __init__(self, vocab_size: int, device: torch.device, seed: int, argmax=None) -> None:
+        self.sampler = Sampler(vocab_size, device, seed, argmax)
         self.rows: list[Row] = []
         self.slots: dict[int, int] = {}  # id(row) -> slot
 
@@ -127,6 +127,32 @@ def test_padded_vocab_columns_are_never_sampled():
     assert max(sampled.token_ids) < 10 and len(set(sampled.token_ids)) == 10
     _, _, _, values = greedy.logprobs[0]
     assert values == pytest.approx([math.log(0.1)] * 2, abs=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_argmax_picks_what_torch_picks(dtype):
+    """The runner hands the sampler the native argmax with the native kernels: plain greedy rows read the (padded)
+    logits as they are, penalised and min_tokens rows a float32 copy, sampled rows keep their draws."""
+    from mini_infer.kernels import cpu, fused
+
+    if cpu.unavailable_reason() is not None:
+        pytest.skip(f"native kernels unavailable: {cpu.unavailable_reason()}")
+    logits = (torch.randn(6, 40, generator=torch.Generator().manual_seed(3)) * 2).to(dtype)
+    logits[:, 32:] = 50.0  # padding columns past the 32-token vocabulary
+    logits[0, 5] = logits[0, 9] = logits[0, :32].max()  # a tie: the first wins
+    for params in ([SamplingParams(temperature=0.0)] * 6,
+                   [SamplingParams(temperature=0.0, repetition_penalty=1.5), SamplingParams(temperature=0.0),
+                    SamplingParams(temperature=0.0, min_tokens=2), SamplingParams(temperature=1.0),
+                    SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=3)]):
+        native = BatchSampler(32, CPU, 0, fused.argmax)(logits, _rows(params, logits))
+        reference = BatchSampler(32, CPU, 0)(logits, _rows(params, logits))
+        assert native.token_ids == reference.token_ids and max(native.token_ids) < 32
+        assert native.token_ids[1] == int(logits[1, :32].float().argmax())
+
+
+def _rows(params, logits):
+    return [make_request(p, prompt=(5, 9), eos=(int(logits[i, :32].argmax()),), request_id=str(i))
+            for i, p in enumerate(params)]
 
 
 # ---- top-k, top-p, min-p ----

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "exp8.h"
 
 namespace {
 
@@ -115,26 +116,6 @@ void normalise_row(const float* row, int64_t H, const void* weight, void* out, i
     for (; h < H; ++h) store(out, dtype, h, load(weight, dtype, h) * round_to(dtype, row[h] * inv));
 }
 
-// exp for the float32 range silu needs: 2^k * p(r) with r = x - k ln2 in [-ln2/2, ln2/2] and p the degree-7
-// Taylor polynomial (its truncation error there is ~0.05 ulp); overflow gives inf and underflow 0, as expf.
-inline __m256 exp8(__m256 x) {
-    const __m256 hi = _mm256_set1_ps(88.7228394f), lo = _mm256_set1_ps(-103.972076f);
-    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693145752f), x);  // ln2 split in two for an exact k * ln2
-    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(1.42860677e-06f), r);
-    const float inverse_factorials[] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
-    __m256 p = _mm256_set1_ps(inverse_factorials[0]);
-    for (int i = 1; i < 8; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(inverse_factorials[i]));
-    // 2^k in two factors so that k down to -150 (a subnormal result) stays representable.
-    const __m256i ki = _mm256_cvtps_epi32(k), half = _mm256_srai_epi32(ki, 1);
-    auto power = [](__m256i e) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23)); };
-    __m256 result = _mm256_mul_ps(_mm256_mul_ps(p, power(half)), power(_mm256_sub_epi32(ki, half)));
-    result = _mm256_blendv_ps(result, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x, hi, _CMP_GT_OQ));
-    result = _mm256_blendv_ps(result, _mm256_setzero_ps(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
-    return _mm256_blendv_ps(result, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));  // NaN stays NaN
-}
-
 inline __m256 silu8(__m256 g) {  // torch's formula: x / (1 + exp(-x))
     return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
 }
@@ -233,5 +214,43 @@ extern "C" void rope_kv_write(const void* qkv, const int64_t* positions, const v
         }
         const int64_t v = in + static_cast<int64_t>(H + KVH) * D;
         for (int64_t d = 0; d < static_cast<int64_t>(KVH) * D; ++d) store(v_cache, dtype, cache + d, load(qkv, dtype, v + d));
+    }
+}
+
+// x [R, C] with rows `stride` elements apart -> out[r] = the index of row r's largest value, the first of equals,
+// or of its first NaN where it has one: torch.argmax's answer. Two passes over a row: its maximum (NaN aside,
+// noted), then the first index holding it.
+extern "C" void argmax_rows(const void* x, int dtype, int R, int C, int64_t stride, int64_t* out, int threads) {
+#pragma omp parallel for num_threads(threads) if (R > 1 && static_cast<int64_t>(R) * C >= 65536)
+    for (int r = 0; r < R; ++r) {
+        const int64_t base = static_cast<int64_t>(r) * stride;
+        __m256 peak[4], unordered = _mm256_setzero_ps();
+        for (auto& p : peak) p = _mm256_set1_ps(-INFINITY);
+        int c = 0;
+        for (; c + 32 <= C; c += 32)
+            for (int j = 0; j < 4; ++j) {
+                const __m256 v = load8(x, dtype, base + c + 8 * j);
+                peak[j] = _mm256_max_ps(v, peak[j]);  // a NaN in v keeps peak[j]
+                unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, _mm256_max_ps(_mm256_max_ps(peak[0], peak[1]), _mm256_max_ps(peak[2], peak[3])));
+        float best = lanes[0];
+        for (int l = 1; l < 8; ++l) best = lanes[l] > best ? lanes[l] : best;
+        bool nan = _mm256_movemask_ps(unordered) != 0;
+        for (; c < C; ++c) {
+            const float v = load(x, dtype, base + c);
+            nan |= v != v;
+            best = v > best ? v : best;
+        }
+        int64_t found = 0;
+        for (int64_t i = 0; i < C; ++i) {
+            const float v = load(x, dtype, base + i);
+            if (nan ? v != v : v == best) {
+                found = i;
+                break;
+            }
+        }
+        out[r] = found;
     }
 }

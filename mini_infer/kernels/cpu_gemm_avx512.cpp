@@ -1,6 +1,6 @@
 // out[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) for CPUs with AVX-512, built twice (cpu.py):
-//  - AVX-512F (GEMM_BF16 = 0): float32 FMAs on 16 columns at a time; w in panels of 16 output columns,
-//    [ceil(N / 16), K, 16], float32 or bfloat16 (widened in registers); x in float32.
+//  - AVX-512F (GEMM_BF16 = 0): float32 FMAs on 16 columns at a time; x in float32; w float32 in panels of 16
+//    output columns, [ceil(N / 16), K, 16], or bfloat16 in the pairs layout below, widened in registers.
 //  - AVX512_BF16 (GEMM_BF16 = 1): `vdpbf16ps` multiplies bf16 pairs and accumulates in float32, two k per
 //    instruction, as oneDNN's bf16 matmul does; w in panels of 16 columns by k pairs, [ceil(N / 16), K / 2, 16, 2]
 //    bfloat16 (K padded to even), and x in bfloat16, each row's (x[2p], x[2p + 1]) broadcast as one 32-bit lane.
@@ -25,28 +25,40 @@ enum DType : int { F32 = 0, BF16 = 1 };
 struct F32Panels {
     using W = float;
     using X = float;
+    using WV = __m512;
+    using XV = __m512;
     static constexpr int KSTEP = 1;
     static inline __m512 weights(const W* p) { return _mm512_loadu_ps(p); }
     static inline __m512 broadcast(const X* x) { return _mm512_set1_ps(*x); }
     static inline __m512 madd(__m512 acc, __m512 w, __m512 x) { return _mm512_fmadd_ps(x, w, acc); }
 };
 
-struct BF16Panels {  // a bf16 is the high half of a float32: widen 16 of them with one zero-extend and a shift
+// The pairs layout (below) read with float32 FMAs: one 64-byte load holds k and k + 1 of 16 columns, each lane a
+// (k, k + 1) pair of bf16 halves, so a shift gives k's float32 and a mask k + 1's: one cheap op per widened vector
+// where the panels take a zero-extend (a shuffle, on the FMA port) and a shift.
+struct BF16PairsWidened {
     using W = uint16_t;
     using X = float;
-    static constexpr int KSTEP = 1;
-    static inline __m512 weights(const W* p) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+    static constexpr int KSTEP = 2;
+    struct WV { __m512 even, odd; };
+    struct XV { __m512 even, odd; };
+    static inline WV weights(const W* p) {
+        const __m512i v = _mm512_loadu_si512(p);
+        return {_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)),
+                _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xffff0000u))))};
     }
-    static inline __m512 broadcast(const X* x) { return _mm512_set1_ps(*x); }
-    static inline __m512 madd(__m512 acc, __m512 w, __m512 x) { return _mm512_fmadd_ps(x, w, acc); }
+    static inline XV broadcast(const X* x) { return {_mm512_set1_ps(x[0]), _mm512_set1_ps(x[1])}; }
+    static inline __m512 madd(__m512 acc, WV w, XV x) {
+        return _mm512_fmadd_ps(x.odd, w.odd, _mm512_fmadd_ps(x.even, w.even, acc));
+    }
 };
 
 #if GEMM_BF16
 struct BF16Pairs {
     using W = uint16_t;
     using X = uint16_t;
+    using WV = __m512;
+    using XV = __m512;
     static constexpr int KSTEP = 2;
     static inline __m512 weights(const W* p) { return _mm512_castsi512_ps(_mm512_loadu_si512(p)); }
     static inline __m512 broadcast(const X* x) {
@@ -98,7 +110,7 @@ inline void tile(const Problem& p, const typename L::W* w, int m0, int panel0) {
     const typename L::W* panel = w + panel0 * panel_elems;
     const typename L::X* x = static_cast<const typename L::X*>(p.x) + m0 * p.ldx;
     for (int s = 0; s < p.steps; ++s) {
-        __m512 wv[NP];
+        typename L::WV wv[NP];
 #pragma GCC unroll 8
         for (int j = 0; j < NP; ++j) {
             const typename L::W* row = panel + j * panel_elems + static_cast<int64_t>(s) * PANEL * L::KSTEP;
@@ -107,7 +119,7 @@ inline void tile(const Problem& p, const typename L::W* w, int m0, int panel0) {
         }
 #pragma GCC unroll 8
         for (int i = 0; i < MR; ++i) {
-            const __m512 xv = L::broadcast(x + i * p.ldx + static_cast<int64_t>(s) * L::KSTEP);
+            const typename L::XV xv = L::broadcast(x + i * p.ldx + static_cast<int64_t>(s) * L::KSTEP);
 #pragma GCC unroll 8
             for (int j = 0; j < NP; ++j) acc[i][j] = L::madd(acc[i][j], wv[j], xv);
         }
@@ -190,9 +202,9 @@ extern "C" void gemm_avx512bf16(const uint16_t* x, const uint16_t* w, const void
     run<BF16Pairs>(p, w, threads);
 }
 #else
-// x float32 or bfloat16 [M, K] (widened once); w packed panels, float32 or bfloat16.
-extern "C" void gemm_avx512(const void* x, int x_dtype, const void* w, int w_dtype, const void* bias, int bias_dtype,
-                            void* out, int out_dtype, int M, int N, int K, int threads) {
+// x float32 or bfloat16 [M, K] (widened once); w float32 packed panels.
+extern "C" void gemm_avx512(const void* x, int x_dtype, const float* w, const void* bias, int bias_dtype, void* out,
+                            int out_dtype, int M, int N, int K, int threads) {
     std::vector<float> x32;
     if (x_dtype == BF16) {
         x32.resize(static_cast<size_t>(M) * K);
@@ -200,7 +212,18 @@ extern "C" void gemm_avx512(const void* x, int x_dtype, const void* w, int w_dty
     }
     const std::vector<float> b = bias_f32(bias, bias_dtype, N);
     const Problem p{x_dtype == BF16 ? x32.data() : x, K, bias ? b.data() : nullptr, out, out_dtype, M, N, K};
-    if (w_dtype == BF16) run<BF16Panels>(p, static_cast<const uint16_t*>(w), threads);
-    else run<F32Panels>(p, static_cast<const float*>(w), threads);
+    run<F32Panels>(p, w, threads);
+}
+
+// x float32 or bfloat16 [M, K] (widened once, K padded to even with zeros); w bfloat16 packed pairs.
+extern "C" void gemm_avx512_pairs(const void* x, int x_dtype, const uint16_t* w, const void* bias, int bias_dtype,
+                                  void* out, int out_dtype, int M, int N, int K, int threads) {
+    const int K2 = (K + 1) / 2 * 2;
+    std::vector<float> x32(static_cast<size_t>(M) * K2, 0.0f);
+    for (int m = 0; m < M; ++m)
+        for (int k = 0; k < K; ++k) x32[static_cast<size_t>(m) * K2 + k] = load_scalar(x, x_dtype, static_cast<int64_t>(m) * K + k);
+    const std::vector<float> b = bias_f32(bias, bias_dtype, N);
+    const Problem p{x32.data(), K2, bias ? b.data() : nullptr, out, out_dtype, M, N, K2 / 2};
+    run<BF16PairsWidened>(p, w, threads);
 }
 #endif

@@ -112,3 +112,15 @@ def rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
         v_cache.data_ptr(), slot_mapping.data_ptr(), _CODES[qkv.dtype], num_tokens, num_heads, kv_heads, head_dim,
         torch.get_num_threads())
     return q
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) of x [R, C] (rows may be a slice of wider ones): the first index of each row's maximum, or of
+    its first NaN, as int64 [R]."""
+    if x.dim() != 2 or x.dtype not in cpu.DTYPES or x.stride(1) != 1 or x.shape[1] == 0:
+        raise ValueError(f"argmax: x {tuple(x.shape)} {x.dtype} (strides {x.stride()}) must be [R, C] with C > 0, "
+                         "bfloat16/float32, each row contiguous")
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    cpu.native_function("argmax_rows")(x.data_ptr(), _CODES[x.dtype], x.shape[0], x.shape[1], x.stride(0),
+                                       out.data_ptr(), torch.get_num_threads())
+    return out

@@ -36,6 +36,10 @@ class TunedWeight:
     def tensors(self) -> list[torch.Tensor]:
         return [p.data for p in self.packed.values()] + ([self.dense] if self.dense is not None else [])
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.dense.dtype if self.dense is not None else next(iter(self.packed.values())).dtype
+
 
 @dataclass(frozen=True, slots=True)
 class Ops:
@@ -50,7 +54,7 @@ class Ops:
             path = weight.winners[bucket_index(x.shape[0])]
             if path == "torch":
                 return F.linear(x, weight.dense, bias)
-            return cpu.linear(x, weight.packed[cpu.MATMUL_PATHS[path][0]], bias, path)
+            return cpu.linear(x, weight.packed[cpu.weight_layout(path, weight.dtype)], bias, path)
         if isinstance(weight, cpu.PackedWeight):
             return cpu.linear(x, weight, bias, self.path)
         return F.linear(x, weight, bias)
@@ -72,6 +76,10 @@ class Ops:
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return fused.silu_mul(gate_up) if self.native else silu_and_mul(gate_up)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """x.argmax(dim=-1) of logits [R, V] (greedy decoding); natively in one threaded pass for bf16/float32."""
+        return fused.argmax(x) if self.native and x.dtype in cpu.DTYPES else x.argmax(dim=-1)
 
     def rope_kv_write(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                       kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor,
@@ -98,10 +106,10 @@ class Ops:
             weight = getattr(module, name).data
             module._parameters.pop(name, None)  # a tied head keeps the embedding registered under its own name
             if self.tuner is None:
-                setattr(module, name, cpu.pack_weight(weight, cpu.MATMUL_PATHS[self.path][0]))
+                setattr(module, name, cpu.pack_weight(weight, cpu.weight_layout(self.path, weight.dtype)))
                 continue
             winners = self.tuner.winners(*weight.shape)
-            layouts = {cpu.MATMUL_PATHS[w][0] for w in winners if w != "torch"}
+            layouts = {cpu.weight_layout(w, weight.dtype) for w in winners if w != "torch"}
             setattr(module, name, TunedWeight({layout: cpu.pack_weight(weight, layout) for layout in sorted(layouts)},
                                               weight if "torch" in winners else None, winners))
         timer = getattr(self.tuner, "timer", None)
@@ -172,7 +180,7 @@ class _LinearTimer:
         before = self._evict if rows <= self.STREAMING_ROWS else None
         if candidate == "torch":
             return median_ms(lambda: F.linear(x, dense), before)
-        layout = cpu.MATMUL_PATHS[candidate][0]
+        layout = cpu.weight_layout(candidate, self.dtype)
         if layout not in self._weights:
             self._weights[layout] = cpu.pack_weight(dense, layout)
         packed = self._weights[layout]

@@ -13,6 +13,7 @@ Logprobs are those of the raw model logits.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,8 +41,10 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device, seed: int) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, seed: int,
+                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.vocab_size = vocab_size
+        self.argmax = argmax or (lambda x: x.argmax(dim=-1))  # rows [R, V] -> int64 [R]; the runner's may be native
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._capacity = 0
@@ -119,15 +122,16 @@ class Sampler:
         # The sampler's own copy when anything below edits it in place (the caller's logits stay as they are).
         edits = (not all(p.greedy and not p.uses_penalties for p in params)
                  or any(self._num_outputs[s] < self._params[s].min_tokens for s in slots))
+        wants_logprobs = any(p.logprobs is not None for p in params)
+        if not edits and not wants_logprobs:  # plain greedy: the argmax of the logits as they are
+            return SamplerOutput(self.argmax(logits[:, : self.vocab_size]).tolist(), [None] * len(params))
         work = logits[:, : self.vocab_size].to(torch.promote_types(logits.dtype, torch.float32), copy=edits)
-        raw_logprobs = None
-        if any(p.logprobs is not None for p in params):
-            raw_logprobs = torch.log_softmax(work, dim=-1)
+        raw_logprobs = torch.log_softmax(work, dim=-1) if wants_logprobs else None
         self.mask_stop_tokens_under_min(work, slots)
         if any(p.uses_penalties for p in params):
             self.apply_penalties(work, slots)
         if all(p.greedy for p in params):
-            tokens = work.argmax(dim=-1)
+            tokens = self.argmax(work)
         else:
             tokens = self._sample(work, slots, params)
         return SamplerOutput(tokens.tolist(), _gather_logprobs(raw_logprobs, tokens, params))
@@ -165,7 +169,7 @@ class Sampler:
         rows = [i for i, p in enumerate(params) if not p.greedy]
         tokens = torch.empty(len(slots), dtype=torch.int64, device=self.device)
         if greedy:
-            tokens[greedy] = logits[greedy].argmax(dim=-1)
+            tokens[greedy] = self.argmax(logits[greedy])
         picked = index[rows]
         filters = _Filters(self._top_k[picked], column("top_p", picked), column("min_p", picked).log())
         tokens[rows] = _draw(logits[rows] if greedy else logits, filters, self._uniforms([slots[i] for i in rows]))
