@@ -116,14 +116,14 @@ def run_prefill(options: BenchOptions, model_dir: str, log: Callable[[str], None
         runs = [{"ttft_s": run.wall_s, "gflops": flops / run.wall_s / 1e9} for run in record["runs"].get("prefill", [])]
         summary = None
         if runs:
-            ttft = summarize([run["ttft_s"] for run in runs])
-            gflops = flops / ttft["median"] / 1e9
-            summary = {"ttft_s": ttft, "prompt_tok_s": options.prompt_len / ttft["median"], "gflops": gflops,
+            ttft = summarize([1e3 * run["ttft_s"] for run in runs])
+            gflops = flops / ttft["median"] / 1e6
+            summary = {"ttft_ms": ttft, "prompt_tok_s": 1e3 * options.prompt_len / ttft["median"], "gflops": gflops,
                        "pct_of_compute_peak": 100 * gflops / ceilings.compute_peak_gflops}
         systems[name] = {"reason": record["reason"], "setup": record["setup"], "runs": runs, "summary": summary}
     base = (systems.get(BASELINE) or {}).get("summary")
     for summary in (s["summary"] for s in systems.values() if s["summary"] is not None):
-        summary["speedup_vs_hf_generate"] = speedup(base["ttft_s"]["median"], summary["ttft_s"]["median"]) \
+        summary["speedup_vs_hf_generate"] = speedup(base["ttft_ms"]["median"], summary["ttft_ms"]["median"]) \
             if base else None
     config = {"model": model_dir, "dtype": options.dtype, "systems": list(options.systems), "reps": options.reps,
               "prompt_len": options.prompt_len, "max_new_tokens": 1}
@@ -144,8 +144,7 @@ def _prefill_chart(report: dict) -> tuple[str, list[Panel]]:
     ran = {name: s["summary"] for name, s in report["systems"].items() if s["summary"] is not None}
     names, config = list(ran), report["config"]
     return (f"prefill of {config['prompt_len']} tokens, {Path(config['model']).name}, {config['dtype']}",
-            [Panel("time to first token (ms)", names, [Series("TTFT", [1e3 * ran[n]["ttft_s"]["median"]
-                                                                       for n in names])]),
+            [Panel("time to first token (ms)", names, [Series("TTFT", [ran[n]["ttft_ms"]["median"] for n in names])]),
              Panel("GFLOP/s", names, [Series("achieved", [ran[n]["gflops"] for n in names]),
                                       Series("compute peak", [report["ceilings"]["compute_peak_gflops"]] * len(names))])])
 
@@ -219,8 +218,8 @@ RANDOM = Workload(run_random, _random_headline, (
     lambda report: [{"system": name, **s["summary"]} for name, s in report["systems"].items() if s["summary"]],
     _random_chart)
 PREFILL = Workload(run_prefill, _prefill_headline, (
-    Column("system", "system"), Column("TTFT ms", "ttft_s", "{0[median]:.0f}"),
-    Column("min-max ms", "ttft_s", "{0[min]:.0f}-{0[max]:.0f}"),
+    Column("system", "system"), Column("TTFT ms", "ttft_ms", "{0[median]:.0f}"),
+    Column("min-max ms", "ttft_ms", "{0[min]:.0f}-{0[max]:.0f}"),
     Column("prompt tok/s", "prompt_tok_s", "{:.0f}"), Column("GFLOP/s", "gflops", "{:.1f}"),
     Column("% compute peak", "pct_of_compute_peak", "{:.0f}%"), VS_BASELINE),
     lambda report: [{"system": name, **s["summary"]} for name, s in report["systems"].items() if s["summary"]],

@@ -178,6 +178,29 @@ inline float load_scalar(const void* data, int dtype, int64_t i) {
     return dtype == BF16 ? bf16_to_f32(static_cast<const uint16_t*>(data)[i]) : static_cast<const float*>(data)[i];
 }
 
+// x [M, K] (float32 or bfloat16) as float32 rows of ld >= K values, the padding zero: 16 at a time, rows split
+// over the threads when there are enough of them.
+std::vector<float> widen_rows(const void* x, int x_dtype, int M, int K, int ld, int threads) {
+    std::vector<float> out(static_cast<size_t>(M) * ld, 0.0f);
+#pragma omp parallel for num_threads(threads) if (static_cast<int64_t>(M) * K >= 65536)
+    for (int m = 0; m < M; ++m) {
+        float* dst = out.data() + static_cast<size_t>(m) * ld;
+        const int64_t row = static_cast<int64_t>(m) * K;
+        for (int k = 0; k < K; k += PANEL) {
+            const __mmask16 mask = K - k >= PANEL ? 0xffff : static_cast<__mmask16>((1u << (K - k)) - 1);
+            __m512 v;
+            if (x_dtype == BF16) {
+                const __m256i raw = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(x) + row + k);
+                v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+            } else {
+                v = _mm512_maskz_loadu_ps(mask, static_cast<const float*>(x) + row + k);
+            }
+            _mm512_mask_storeu_ps(dst + k, mask, v);
+        }
+    }
+    return out;
+}
+
 std::vector<float> bias_f32(const void* bias, int bias_dtype, int N) {
     std::vector<float> out(bias ? N : 0);
     for (int n = 0; n < static_cast<int>(out.size()); ++n) out[n] = load_scalar(bias, bias_dtype, n);
@@ -205,11 +228,7 @@ extern "C" void gemm_avx512bf16(const uint16_t* x, const uint16_t* w, const void
 // x float32 or bfloat16 [M, K] (widened once); w float32 packed panels.
 extern "C" void gemm_avx512(const void* x, int x_dtype, const float* w, const void* bias, int bias_dtype, void* out,
                             int out_dtype, int M, int N, int K, int threads) {
-    std::vector<float> x32;
-    if (x_dtype == BF16) {
-        x32.resize(static_cast<size_t>(M) * K);
-        for (size_t i = 0; i < x32.size(); ++i) x32[i] = load_scalar(x, BF16, static_cast<int64_t>(i));
-    }
+    const std::vector<float> x32 = x_dtype == BF16 ? widen_rows(x, x_dtype, M, K, K, threads) : std::vector<float>();
     const std::vector<float> b = bias_f32(bias, bias_dtype, N);
     const Problem p{x_dtype == BF16 ? x32.data() : x, K, bias ? b.data() : nullptr, out, out_dtype, M, N, K};
     run<F32Panels>(p, w, threads);
@@ -219,9 +238,7 @@ extern "C" void gemm_avx512(const void* x, int x_dtype, const float* w, const vo
 extern "C" void gemm_avx512_pairs(const void* x, int x_dtype, const uint16_t* w, const void* bias, int bias_dtype,
                                   void* out, int out_dtype, int M, int N, int K, int threads) {
     const int K2 = (K + 1) / 2 * 2;
-    std::vector<float> x32(static_cast<size_t>(M) * K2, 0.0f);
-    for (int m = 0; m < M; ++m)
-        for (int k = 0; k < K; ++k) x32[static_cast<size_t>(m) * K2 + k] = load_scalar(x, x_dtype, static_cast<int64_t>(m) * K + k);
+    const std::vector<float> x32 = widen_rows(x, x_dtype, M, K, K2, threads);
     const std::vector<float> b = bias_f32(bias, bias_dtype, N);
     const Problem p{x32.data(), K2, bias ? b.data() : nullptr, out, out_dtype, M, N, K2 / 2};
     run<BF16PairsWidened>(p, w, threads);

@@ -87,13 +87,15 @@ def _prefill_attention(q, k_cache, v_cache, meta: AttentionMetadata, out: torch.
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         context_len, query_len = meta.context_lens_host[i], end - start
         blocks = meta.block_tables[i, : (context_len + block_size - 1) // block_size]
-        keys = k_cache[blocks].view(-1, kv_heads, head_dim)[:context_len].transpose(0, 1)
-        values = v_cache[blocks].view(-1, kv_heads, head_dim)[:context_len].transpose(0, 1)
+        # Each KV head repeated for its query group, and a batch axis: [1, heads, len, head_dim] is what torch's
+        # fused CPU attention takes (3-d or enable_gqa inputs fell back to its unfused math, ~3x slower at 512).
+        keys = k_cache[blocks].view(-1, kv_heads, head_dim)[:context_len].repeat_interleave(heads // kv_heads, 1)
+        values = v_cache[blocks].view(-1, kv_heads, head_dim)[:context_len].repeat_interleave(heads // kv_heads, 1)
         mask = None
         if query_len != context_len:
             query_positions = torch.arange(context_len - query_len, context_len, device=q.device)
             mask = torch.arange(context_len, device=q.device)[None, :] <= query_positions[:, None]
         out[start:end] = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1), keys, values, attn_mask=mask, is_causal=mask is None,
-            enable_gqa=heads != kv_heads,
-        ).transpose(0, 1)
+            q[start:end].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+            attn_mask=mask, is_causal=mask is None,
+        )[0].transpose(0, 1)
