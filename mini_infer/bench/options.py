@@ -22,8 +22,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", choices=WORKLOADS, default="fixed",
                         help="fixed: a sweep over batch sizes, every request the same length; prefill: one prompt "
                              "of --prompt-len tokens and one new token (time to first token, GFLOP/s against the "
-                             "matmul peak); random: requests of random lengths, all submitted at once; shared-prefix: prefix caching on vs off; "
-                             "long-prompt: chunked prefill on vs off (README: Prefix caching and chunked prefill)")
+                             "matmul peak); random: requests of random lengths, all submitted at once; "
+                             "shared-prefix: prefix caching on vs off; long-prompt: chunked prefill on vs off "
+                             "(README: Prefix caching and chunked prefill)")
     parser.add_argument("--model", default=None, help="local HF-format model directory (default: the random-weight "
                                                       "qwen2.5-0.5b preset)")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")

@@ -65,13 +65,17 @@ def _batch_result(batch_size: int, runs: list[RunResult], expected_tokens: int, 
             "tok_s": summary, "pct_of_roofline": 100 * summary["median"] / roofline_tok_s}
 
 
+def _compute_ceiling(ceilings: dict) -> str:
+    measured = ", ".join(f"{dtype} {rate:.1f}" for dtype, rate in ceilings["matmul_gflops"].items())
+    return (f"compute {ceilings['compute_peak_gflops']:.1f} GFLOP/s ({ceilings['compute_peak_source']} matmul; "
+            f"measured {measured})")
+
+
 def _fixed_headline(report: dict) -> list[str]:
     config, ceilings = report["config"], report["ceilings"]
-    measured = ", ".join(f"{dtype} {rate:.1f}" for dtype, rate in ceilings["matmul_gflops"].items())
     return [f"{config['model']} ({config['dtype']}), {config['prompt_len']} prompt + {config['max_new_tokens']} "
             f"new tokens per request, {config['reps']} reps",
-            f"ceilings: compute {ceilings['compute_peak_gflops']:.1f} GFLOP/s ({ceilings['compute_peak_source']} "
-            f"matmul; measured {measured}), memory read {ceilings['read_gbs']:.1f} GB/s; a decode step reads "
+            f"ceilings: {_compute_ceiling(ceilings)}, memory read {ceilings['read_gbs']:.1f} GB/s; a decode step reads "
             f"{report['decode_cost']['weight_bytes'] / 1e6:.0f} MB of weights"]
 
 
@@ -132,12 +136,10 @@ def run_prefill(options: BenchOptions, model_dir: str, log: Callable[[str], None
 
 
 def _prefill_headline(report: dict) -> list[str]:
-    config, ceilings = report["config"], report["ceilings"]
-    measured = ", ".join(f"{dtype} {rate:.1f}" for dtype, rate in ceilings["matmul_gflops"].items())
+    config = report["config"]
     return [f"{config['model']} ({config['dtype']}), one prompt of {config['prompt_len']} tokens and 1 new token "
             f"(its prefill: {report['prefill_flops'] / 1e9:.1f} GFLOP), {config['reps']} reps",
-            f"ceiling: compute {ceilings['compute_peak_gflops']:.1f} GFLOP/s ({ceilings['compute_peak_source']} "
-            f"matmul; measured {measured})"]
+            f"ceiling: {_compute_ceiling(report['ceilings'])}"]
 
 
 def _prefill_chart(report: dict) -> tuple[str, list[Panel]]:
@@ -145,8 +147,9 @@ def _prefill_chart(report: dict) -> tuple[str, list[Panel]]:
     names, config = list(ran), report["config"]
     return (f"prefill of {config['prompt_len']} tokens, {Path(config['model']).name}, {config['dtype']}",
             [Panel("time to first token (ms)", names, [Series("TTFT", [ran[n]["ttft_ms"]["median"] for n in names])]),
-             Panel("GFLOP/s", names, [Series("achieved", [ran[n]["gflops"] for n in names]),
-                                      Series("compute peak", [report["ceilings"]["compute_peak_gflops"]] * len(names))])])
+             Panel("GFLOP/s", names, [
+                 Series("achieved", [ran[n]["gflops"] for n in names]),
+                 Series("compute peak", [report["ceilings"]["compute_peak_gflops"]] * len(names))])])
 
 
 def run_random(options: BenchOptions, model_dir: str, log: Callable[[str], None]) -> dict:
