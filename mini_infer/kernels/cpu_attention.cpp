@@ -87,8 +87,8 @@ struct Args {
 };
 
 struct Scratch {  // one per thread, grown as contexts grow
-    std::vector<float> q, scores, keys, values, acc;
-    std::vector<const float*> key_rows, value_rows;
+    std::vector<float> q, scores, keys, values, acc, totals;
+    std::vector<const float*> key_rows, value_rows, shifted;
 };
 
 void attend(const Args& a, int r, int kv_head, Scratch& s) {
@@ -96,6 +96,7 @@ void attend(const Args& a, int r, int kv_head, Scratch& s) {
     s.q.resize(static_cast<size_t>(G) * D);
     s.scores.resize(static_cast<size_t>(G) * ctx);
     s.acc.resize(static_cast<size_t>(G) * D);
+    s.totals.resize(G);
     s.key_rows.resize(ctx);
     s.value_rows.resize(ctx);
     const int64_t q_base = (static_cast<int64_t>(r) * a.H + static_cast<int64_t>(kv_head) * G) * D;
@@ -126,7 +127,6 @@ void attend(const Args& a, int r, int kv_head, Scratch& s) {
             for (; t + 4 <= ctx; t += 4) scores4(q, s.key_rows.data() + t, D, scores + t);
         for (; t < ctx; ++t) scores[t] = dot(q, s.key_rows[t], D);
     }
-    std::vector<float> totals(G);
     for (int g = 0; g < G; ++g) {  // softmax numerators; each head's sum divides its output at the end
         float* p = s.scores.data() + static_cast<size_t>(g) * ctx;
         __m256 peaks = _mm256_set1_ps(p[0]);
@@ -151,21 +151,20 @@ void attend(const Args& a, int r, int kv_head, Scratch& s) {
             _mm256_storeu_ps(tail, exp8(_mm256_loadu_ps(tail)));
             for (int i = t; i < ctx; ++i) total += (p[i] = tail[i - t]);
         }
-        totals[g] = total;
+        s.totals[g] = total;
     }
     for (int g = 0; g < G; ++g) {
         const float* p = s.scores.data() + static_cast<size_t>(g) * ctx;
         float* acc = s.acc.data() + static_cast<size_t>(g) * D;
         int d = 0;
         for (; d + 64 <= D; d += 64) weighted_sum<8>(s.value_rows.data(), p, ctx, acc + d);
-        std::vector<const float*> shifted;
         if (d < D) {  // the last columns: shifted row pointers, 8 at a time, then one by one
-            shifted.resize(ctx);
-            for (int t = 0; t < ctx; ++t) shifted[t] = s.value_rows[t] + d;
+            s.shifted.resize(ctx);
+            for (int t = 0; t < ctx; ++t) s.shifted[t] = s.value_rows[t] + d;
         }
         for (; d + 8 <= D; d += 8) {
-            weighted_sum<1>(shifted.data(), p, ctx, acc + d);
-            for (int t = 0; t < ctx; ++t) shifted[t] += 8;
+            weighted_sum<1>(s.shifted.data(), p, ctx, acc + d);
+            for (int t = 0; t < ctx; ++t) s.shifted[t] += 8;
         }
         for (; d < D; ++d) {
             float sum = 0.0f;
@@ -174,7 +173,7 @@ void attend(const Args& a, int r, int kv_head, Scratch& s) {
         }
     }
     for (int g = 0; g < G; ++g) {
-        const float inverse = 1.0f / totals[g];
+        const float inverse = 1.0f / s.totals[g];
         for (int d = 0; d < D; ++d) {
             const int64_t i = q_base + static_cast<int64_t>(g) * D + d;
             const float value = s.acc[static_cast<size_t>(g) * D + d] * inverse;
