@@ -14,6 +14,7 @@ pytestmark = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in (
 
 
 PATHS = tuple(cpu.MATMUL_PATHS)
+BF16_ONLY = {path for path, spec in cpu.MATMUL_PATHS.items() if set(spec.kernels) == {torch.bfloat16}}
 
 
 def skip_unless_runs(path: str, dtype: torch.dtype) -> None:
@@ -35,16 +36,16 @@ SHAPES = [(1, 1, 1), (1, 7, 9), (1, 80, 64), (1, 200, 33), (2, 50, 16), (2, 120,
 
 
 @pytest.mark.parametrize("path,weight_dtype", [(path, dtype) for path in PATHS for dtype in cpu.DTYPES
-                                               if path != "avx512_bf16" or dtype == torch.bfloat16])
+                                               if dtype in cpu.MATMUL_PATHS[path].kernels])
 @pytest.mark.parametrize("rows,cols,inner", SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_float64_matmul(path, weight_dtype, rows, cols, inner, with_bias):
-    """float32 activations; on avx512_bf16 (bf16 only) the activations are bf16 and the error is the output's
-    rounding to bf16."""
+    """float32 activations; on the avx512_bf16 paths (bf16 only) the activations are bf16 and the error is the
+    output's rounding to bf16."""
     skip_unless_runs(path, weight_dtype)
     gen = torch.Generator().manual_seed(rows * 1000 + cols * 10 + inner)
     x = torch.randn(rows, inner, generator=gen)
-    if path == "avx512_bf16":
+    if path in BF16_ONLY:
         x = x.to(torch.bfloat16)
     weight = torch.randn(cols, inner, generator=gen).to(weight_dtype)
     bias = torch.randn(cols, generator=gen).to(weight_dtype) if with_bias else None
@@ -72,6 +73,20 @@ def test_bfloat16_activations_come_back_in_bfloat16(path):
     assert out.dtype == torch.bfloat16
     expected = reference(x, weight, None)
     torch.testing.assert_close(out.double(), expected.to(torch.bfloat16).double(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("path", [path for path in PATHS if path.endswith("/far")])
+@pytest.mark.parametrize("rows", [1, 4, 8, 33])
+def test_far_prefetch_computes_what_near_does(path, rows):
+    """The /far paths differ from their kernel's near path only in what they prefetch: the same sums, bit for bit."""
+    near = path.removesuffix("/far")
+    for dtype in cpu.MATMUL_PATHS[path].kernels:
+        skip_unless_runs(path, dtype)
+        gen = torch.Generator().manual_seed(rows)
+        x = torch.randn(rows, 1100, generator=gen).to(torch.bfloat16 if path in BF16_ONLY else torch.float32)
+        weight = torch.randn(300, 1100, generator=gen).to(dtype)
+        packed = cpu.pack_weight(weight, cpu.weight_layout(path, dtype))
+        assert torch.equal(cpu.linear(x, packed, weight[0], path), cpu.linear(x, packed, weight[0], near))
 
 
 def test_nan_and_ties_round_like_torch():

@@ -21,12 +21,13 @@ from pathlib import Path
 
 import torch
 
+from mini_infer.kernels import cpu
 from mini_infer.paths import cache_dir
 
 # Rows of the activation (tokens in a step): decode batches up to 64, then prefill chunk sizes.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # Every candidate name a cached table may hold (a machine times the ones it can run).
-CANDIDATES = ("avx2", "avx512", "avx512_bf16", "torch")
+CANDIDATES = (*cpu.MATMUL_PATHS, "torch")
 _REPS = 5
 _SLOW_S = 0.02
 _FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")

@@ -42,11 +42,11 @@ class _Kernel:
 
 _KERNELS = {
     "gemm": _Kernel("cpu_gemm.cpp", "gemm", [_P, _I] * 4 + [_I] * 4, None, _AVX2, ("avx2", "fma")),
-    "gemm_avx512": _Kernel("cpu_gemm_avx512.cpp", "gemm_avx512", [_P, _I, _P, _P, _I, _P] + [_I] * 5, None,
+    "gemm_avx512": _Kernel("cpu_gemm_avx512.cpp", "gemm_avx512", [_P, _I, _P, _P, _I, _P] + [_I] * 6, None,
                            [*_AVX512, "-DGEMM_BF16=0"], ("avx2", "fma", "avx512f", "avx512bw", "avx512vl")),
-    "gemm_avx512_pairs": _Kernel("cpu_gemm_avx512.cpp", "gemm_avx512_pairs", [_P, _I, _P, _P, _I, _P] + [_I] * 5,
+    "gemm_avx512_pairs": _Kernel("cpu_gemm_avx512.cpp", "gemm_avx512_pairs", [_P, _I, _P, _P, _I, _P] + [_I] * 6,
                                  None, [*_AVX512, "-DGEMM_BF16=0"], ("avx2", "fma", "avx512f", "avx512bw", "avx512vl")),
-    "gemm_avx512bf16": _Kernel("cpu_gemm_avx512.cpp", "gemm_avx512bf16", [_P, _P, _P, _I, _P] + [_I] * 5, None,
+    "gemm_avx512bf16": _Kernel("cpu_gemm_avx512.cpp", "gemm_avx512bf16", [_P, _P, _P, _I, _P] + [_I] * 6, None,
                                [*_AVX512, "-mavx512bf16", "-DGEMM_BF16=1"],
                                ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16")),
     "paged_decode_attention": _Kernel("cpu_attention.cpp", "paged_decode_attention", [_P] * 6 + [_I] * 8 + [_F, _I],
@@ -64,19 +64,35 @@ _KERNELS = {
 # The kernels that must build for cpu_kernels to run natively; the AVX-512 matmuls are extra paths where the CPU
 # has them (MATMUL_PATHS).
 _BASE = ("gemm", "paged_decode_attention", "add_rms_norm", "silu_mul", "rope_kv_write", "argmax_rows", "shm_allreduce")
-# Native matmul paths: per weight dtype, the layout the path reads and its kernel. AVX-512F reads bf16 weights in
-# pairs (one shift or mask widens 16 of them; 12-24 % faster than panels at 8-64 rows on an AVX-512 Xeon, and
-# the same sums in the same order), so that avx512 and avx512_bf16 share one copy of a bf16 weight.
+
+
+@dataclass(frozen=True, slots=True)
+class MatmulPath:
+    kernels: dict[torch.dtype, tuple[str, str]]  # weight dtype -> (the layout the path reads, its kernel)
+    prefetch: int | None  # the AVX-512 kernels' weight prefetch: NEAR or FAR (cpu_gemm_avx512.cpp); avx2 has none
+
+
+NEAR, FAR = 0, 1
+# AVX-512F reads bf16 weights in pairs (one shift or mask widens 16 of them; 12-24 % faster than panels at 8-64 rows
+# on an AVX-512 Xeon, and the same sums in the same order), so that avx512 and avx512_bf16 share one copy of a bf16
+# weight.
+_AVX512 = {torch.float32: ("panels", "gemm_avx512"), torch.bfloat16: ("pairs", "gemm_avx512_pairs")}
+_AVX512_BF16 = {torch.bfloat16: ("pairs", "gemm_avx512bf16")}
+# Native matmul paths. Each AVX-512 kernel runs as two paths that differ only in how far ahead and into which cache
+# level the weight streams are prefetched (NEAR: L1, 64 k steps, tuned on an AVX-512 Xeon; FAR: L2, 512, faster at
+# 1-32 rows on a Zen 4 EPYC, where NEAR streamed slower than no prefetch): the CPU decides, so the autotuner times both.
 MATMUL_PATHS = {
-    "avx2": {torch.float32: ("panels", "gemm"), torch.bfloat16: ("panels", "gemm")},
-    "avx512": {torch.float32: ("panels", "gemm_avx512"), torch.bfloat16: ("pairs", "gemm_avx512_pairs")},
-    "avx512_bf16": {torch.bfloat16: ("pairs", "gemm_avx512bf16")},
+    "avx2": MatmulPath({torch.float32: ("panels", "gemm"), torch.bfloat16: ("panels", "gemm")}, None),
+    "avx512": MatmulPath(_AVX512, NEAR),
+    "avx512/far": MatmulPath(_AVX512, FAR),
+    "avx512_bf16": MatmulPath(_AVX512_BF16, NEAR),
+    "avx512_bf16/far": MatmulPath(_AVX512_BF16, FAR),
 }
 
 
 def weight_layout(path: str, dtype: torch.dtype) -> str:
     """The layout a `dtype` weight is packed in for matmul path `path`."""
-    return MATMUL_PATHS[path][dtype][0]
+    return MATMUL_PATHS[path].kernels[dtype][0]
 
 
 @functools.cache
@@ -124,7 +140,8 @@ def matmul_paths(dtype: torch.dtype) -> dict[str, str | None]:
     """Each native matmul path for a model of `dtype`: None where it runs here, else why not (AVX512_BF16
     multiplies bf16 only)."""
     paths = {}
-    for path, kernels in MATMUL_PATHS.items():
+    for path, spec in MATMUL_PATHS.items():
+        kernels = spec.kernels
         if dtype not in kernels:
             paths[path] = "bf16 products only (the model is float32)"
             continue
@@ -175,18 +192,21 @@ def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = No
            path: str = "avx2") -> torch.Tensor:
     """x [M, K] @ weight.T + bias -> [M, N] in x's dtype (float32 or bfloat16) through a native path (its weight
     in that path's layout); arithmetic in float32, or bf16 products summed in float32 on `avx512_bf16`."""
-    layout, kernel = MATMUL_PATHS.get(path, {}).get(weight.dtype, ("", ""))
+    spec = MATMUL_PATHS.get(path)
+    layout, kernel = spec.kernels.get(weight.dtype, ("", "")) if spec is not None else ("", "")
     if (x.dim() != 2 or x.shape[1] != weight.in_features or x.dtype not in DTYPES or layout != weight.layout
-            or (path == "avx512_bf16" and x.dtype != torch.bfloat16)):
+            or (kernel == "gemm_avx512bf16" and x.dtype != torch.bfloat16)):
         raise ValueError(f"cpu linear: x {tuple(x.shape)} {x.dtype} on path {path!r} does not match a "
                          f"{weight.layout} {weight.dtype} weight of {weight.out_features} x {weight.in_features}")
     x = x.contiguous()
     out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)
     bias_args = (bias.contiguous().data_ptr(), _CODES[bias.dtype]) if bias is not None else (None, 0)
-    sizes = (x.shape[0], weight.out_features, x.shape[1], torch.get_num_threads())
-    x_args = (x.data_ptr(),) if path == "avx512_bf16" else (x.data_ptr(), _CODES[x.dtype])  # bf16 x only there
-    w_args = (weight.data.data_ptr(), _CODES[weight.dtype]) if path == "avx2" else (weight.data.data_ptr(),)
-    native_function(kernel)(*x_args, *w_args, *bias_args, out.data_ptr(), _CODES[x.dtype], *sizes)
+    sizes = (x.shape[0], weight.out_features, x.shape[1])
+    prefetch = () if spec.prefetch is None else (spec.prefetch,)
+    x_args = (x.data_ptr(),) if kernel == "gemm_avx512bf16" else (x.data_ptr(), _CODES[x.dtype])  # bf16 x only there
+    w_args = (weight.data.data_ptr(), _CODES[weight.dtype]) if kernel == "gemm" else (weight.data.data_ptr(),)
+    native_function(kernel)(*x_args, *w_args, *bias_args, out.data_ptr(), _CODES[x.dtype], *sizes, *prefetch,
+                            torch.get_num_threads())
     return out
 
 

@@ -16,10 +16,19 @@
 namespace {
 
 constexpr int PANEL = 16;
-// Each panel's weight stream is prefetched this many k steps ahead (2-4 KB): with 8 or 3 streams per thread the
-// hardware prefetcher alone left decode matmuls below the memory bandwidth (measured on an AVX-512 Xeon, all of a
-// 0.5B step's matmuls: 8 rows 58-81 -> 48-58 ms, 32 rows 170-208 -> 161-177 ms; 64 beat 8, 16, 32 and 128).
-constexpr int PREFETCH_STEPS = 64;
+// Each panel's weight stream is prefetched ahead of its loads, one of two ways, which kernels/cpu.py offers as two
+// paths each so that the autotuner times both on the machine at hand:
+//  - NEAR: into L1, 64 k steps (2-4 KB) ahead. On an AVX-512 Xeon the hardware prefetcher alone left decode
+//    matmuls below the memory bandwidth (all of a 0.5B step's matmuls: 8 rows 58-81 -> 48-58 ms, 32 rows 170-208
+//    -> 161-177 ms), and 64 steps beat 8, 16, 32 and 128.
+//  - FAR: into L2, 512 k steps (16-32 KB) ahead. On a Zen 4 EPYC, NEAR streamed slower than no prefetch at all
+//    (1 row from memory: 24-34 vs 28-43 GB/s), FAR faster than both (30-50 GB/s, 1-32 rows).
+enum Prefetch : int { NEAR = 0, FAR = 1 };
+template <int PF>
+inline void prefetch(const void* p, int64_t step_bytes) {
+    if constexpr (PF == NEAR) _mm_prefetch(static_cast<const char*>(p) + 64 * step_bytes, _MM_HINT_T0);
+    else _mm_prefetch(static_cast<const char*>(p) + 512 * step_bytes, _MM_HINT_T1);
+}
 enum DType : int { F32 = 0, BF16 = 1 };
 
 struct F32Panels {
@@ -99,7 +108,7 @@ inline void store(const Problem& p, int m, int n0, __m512 acc) {
     else _mm512_mask_storeu_ps(static_cast<float*>(p.out) + at, mask, acc);
 }
 
-template <int MR, int NP, typename L>
+template <int MR, int NP, typename L, int PF>
 inline void tile(const Problem& p, const typename L::W* w, int m0, int panel0) {
     __m512 acc[MR][NP];
 #pragma GCC unroll 8
@@ -114,7 +123,7 @@ inline void tile(const Problem& p, const typename L::W* w, int m0, int panel0) {
 #pragma GCC unroll 8
         for (int j = 0; j < NP; ++j) {
             const typename L::W* row = panel + j * panel_elems + static_cast<int64_t>(s) * PANEL * L::KSTEP;
-            _mm_prefetch(reinterpret_cast<const char*>(row + PREFETCH_STEPS * PANEL * L::KSTEP), _MM_HINT_T0);
+            prefetch<PF>(row, PANEL * L::KSTEP * sizeof(typename L::W));
             wv[j] = L::weights(row);
         }
 #pragma GCC unroll 8
@@ -131,47 +140,53 @@ inline void tile(const Problem& p, const typename L::W* w, int m0, int panel0) {
 }
 
 // All rows against NP panels: MR-row tiles, then the remaining rows.
-template <int MR, int NP, typename L>
+template <int MR, int NP, typename L, int PF>
 inline void panel_group(const Problem& p, const typename L::W* w, int panel0) {
     int m = 0;
-    for (; m + MR <= p.M; m += MR) tile<MR, NP, L>(p, w, m, panel0);
+    for (; m + MR <= p.M; m += MR) tile<MR, NP, L, PF>(p, w, m, panel0);
     switch (p.M - m) {
-        case 7: if constexpr (MR > 7) tile<7, NP, L>(p, w, m, panel0); break;
-        case 6: if constexpr (MR > 6) tile<6, NP, L>(p, w, m, panel0); break;
-        case 5: if constexpr (MR > 5) tile<5, NP, L>(p, w, m, panel0); break;
-        case 4: if constexpr (MR > 4) tile<4, NP, L>(p, w, m, panel0); break;
-        case 3: if constexpr (MR > 3) tile<3, NP, L>(p, w, m, panel0); break;
-        case 2: if constexpr (MR > 2) tile<2, NP, L>(p, w, m, panel0); break;
-        case 1: if constexpr (MR > 1) tile<1, NP, L>(p, w, m, panel0); break;
+        case 7: if constexpr (MR > 7) tile<7, NP, L, PF>(p, w, m, panel0); break;
+        case 6: if constexpr (MR > 6) tile<6, NP, L, PF>(p, w, m, panel0); break;
+        case 5: if constexpr (MR > 5) tile<5, NP, L, PF>(p, w, m, panel0); break;
+        case 4: if constexpr (MR > 4) tile<4, NP, L, PF>(p, w, m, panel0); break;
+        case 3: if constexpr (MR > 3) tile<3, NP, L, PF>(p, w, m, panel0); break;
+        case 2: if constexpr (MR > 2) tile<2, NP, L, PF>(p, w, m, panel0); break;
+        case 1: if constexpr (MR > 1) tile<1, NP, L, PF>(p, w, m, panel0); break;
         default: break;
     }
 }
 
-template <int MR, int NP, typename L>
+template <int MR, int NP, typename L, int PF>
 void run_groups(const Problem& p, const typename L::W* w, int threads) {
     const int panels = (p.N + PANEL - 1) / PANEL, groups = panels / NP;
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static) nowait
-        for (int g = 0; g < groups; ++g) panel_group<MR, NP, L>(p, w, g * NP);
+        for (int g = 0; g < groups; ++g) panel_group<MR, NP, L, PF>(p, w, g * NP);
 #pragma omp for schedule(static)
-        for (int q = groups * NP; q < panels; ++q) panel_group<MR, 1, L>(p, w, q);
+        for (int q = groups * NP; q < panels; ++q) panel_group<MR, 1, L, PF>(p, w, q);
     }
 }
 
 // Few rows leave registers for more panels per tile (more independent chains, fewer broadcasts); many rows
 // take 8 x 3 tiles: 24 accumulators, 3 weight vectors and a broadcast (measured 5-20 % faster than 6 x 4 on an
 // AVX-512 Xeon: fewer bf16 widenings per FMA, and decode batches of 8, 16, 32 rows leave no remainder).
-template <typename L>
-void run(const Problem& p, const typename L::W* w, int threads) {
+template <typename L, int PF>
+void run_prefetching(const Problem& p, const typename L::W* w, int threads) {
     switch (p.M) {
-        case 1: run_groups<1, 8, L>(p, w, threads); break;
-        case 2: run_groups<2, 6, L>(p, w, threads); break;
-        case 3: run_groups<3, 6, L>(p, w, threads); break;
-        case 4: run_groups<4, 5, L>(p, w, threads); break;
-        case 5: run_groups<5, 4, L>(p, w, threads); break;
-        default: run_groups<8, 3, L>(p, w, threads); break;
+        case 1: run_groups<1, 8, L, PF>(p, w, threads); break;
+        case 2: run_groups<2, 6, L, PF>(p, w, threads); break;
+        case 3: run_groups<3, 6, L, PF>(p, w, threads); break;
+        case 4: run_groups<4, 5, L, PF>(p, w, threads); break;
+        case 5: run_groups<5, 4, L, PF>(p, w, threads); break;
+        default: run_groups<8, 3, L, PF>(p, w, threads); break;
     }
+}
+
+template <typename L>
+void run(const Problem& p, const typename L::W* w, int prefetch, int threads) {
+    if (prefetch == FAR) run_prefetching<L, FAR>(p, w, threads);
+    else run_prefetching<L, NEAR>(p, w, threads);
 }
 
 inline float load_scalar(const void* data, int dtype, int64_t i) {
@@ -212,7 +227,7 @@ std::vector<float> bias_f32(const void* bias, int bias_dtype, int N) {
 #if GEMM_BF16
 // x bfloat16 [M, K]; w packed pairs (K rounded up to even: an odd K's last pair reads a zero x beside it).
 extern "C" void gemm_avx512bf16(const uint16_t* x, const uint16_t* w, const void* bias, int bias_dtype, void* out,
-                                int out_dtype, int M, int N, int K, int threads) {
+                                int out_dtype, int M, int N, int K, int prefetch, int threads) {
     std::vector<uint16_t> padded;
     const int K2 = (K + 1) / 2 * 2;
     if (K2 != K) {
@@ -222,25 +237,25 @@ extern "C" void gemm_avx512bf16(const uint16_t* x, const uint16_t* w, const void
     }
     const std::vector<float> b = bias_f32(bias, bias_dtype, N);
     const Problem p{x, K2, bias ? b.data() : nullptr, out, out_dtype, M, N, K2 / 2};
-    run<BF16Pairs>(p, w, threads);
+    run<BF16Pairs>(p, w, prefetch, threads);
 }
 #else
 // x float32 or bfloat16 [M, K] (widened once); w float32 packed panels.
 extern "C" void gemm_avx512(const void* x, int x_dtype, const float* w, const void* bias, int bias_dtype, void* out,
-                            int out_dtype, int M, int N, int K, int threads) {
+                            int out_dtype, int M, int N, int K, int prefetch, int threads) {
     const std::vector<float> x32 = x_dtype == BF16 ? widen_rows(x, x_dtype, M, K, K, threads) : std::vector<float>();
     const std::vector<float> b = bias_f32(bias, bias_dtype, N);
     const Problem p{x_dtype == BF16 ? x32.data() : x, K, bias ? b.data() : nullptr, out, out_dtype, M, N, K};
-    run<F32Panels>(p, w, threads);
+    run<F32Panels>(p, w, prefetch, threads);
 }
 
 // x float32 or bfloat16 [M, K] (widened once, K padded to even with zeros); w bfloat16 packed pairs.
 extern "C" void gemm_avx512_pairs(const void* x, int x_dtype, const uint16_t* w, const void* bias, int bias_dtype,
-                                  void* out, int out_dtype, int M, int N, int K, int threads) {
+                                  void* out, int out_dtype, int M, int N, int K, int prefetch, int threads) {
     const int K2 = (K + 1) / 2 * 2;
     const std::vector<float> x32 = widen_rows(x, x_dtype, M, K, K2, threads);
     const std::vector<float> b = bias_f32(bias, bias_dtype, N);
     const Problem p{x32.data(), K2, bias ? b.data() : nullptr, out, out_dtype, M, N, K2 / 2};
-    run<BF16PairsWidened>(p, w, threads);
+    run<BF16PairsWidened>(p, w, prefetch, threads);
 }
 #endif
