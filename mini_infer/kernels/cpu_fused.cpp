@@ -17,6 +17,10 @@
 namespace {
 
 enum DType : int { F32 = 0, BF16 = 1 };
+// Elements from which a call splits its work over the threads (~5 us of a norm or SiLU on one core: measured on a
+// Zen 4 EPYC, one thread's SiLU of 8 x 4864 took 53 us), and the SiLU's piece of a row (a multiple of 8).
+constexpr int64_t kParallelElements = 4096;
+constexpr int kSiluPiece = 1024;
 
 inline float load(const void* data, int dtype, int64_t i) {
     return dtype == BF16 ? bf16_to_f32(static_cast<const uint16_t*>(data)[i]) : static_cast<const float*>(data)[i];
@@ -135,7 +139,7 @@ inline __m256 rotate8(int dtype, __m256 x, __m256 x_partner_signed, __m256 c, __
 extern "C" void add_rms_norm(const void* x, const void* residual, const void* weight, void* out, void* residual_out,
                              int dtype, int T, int H, float eps, int width, int threads) {
     const size_t elem = dtype == BF16 ? 2 : 4;
-#pragma omp parallel for num_threads(threads) if (T > 1 && static_cast<int64_t>(T) * H >= 32768)
+#pragma omp parallel for num_threads(threads) if (T > 1 && static_cast<int64_t>(T) * H >= kParallelElements)
     for (int t = 0; t < T; ++t) {
         std::vector<float> buffer(H);
         float* row = buffer.data();
@@ -161,21 +165,25 @@ extern "C" void add_rms_norm(const void* x, const void* residual, const void* we
     }
 }
 
-// gate_up [T, 2I] (gate, then up) -> out [T, I] = silu(gate) * up, each rounded to the dtype.
+// gate_up [T, 2I] (gate, then up) -> out [T, I] = silu(gate) * up, each rounded to the dtype. The threads split
+// rows into pieces of kSiluPiece columns, so that one decode row of a 0.5B model (I = 4864) takes both cores.
 extern "C" void silu_mul(const void* gate_up, void* out, int dtype, int T, int I, int threads) {
-#pragma omp parallel for num_threads(threads) if (static_cast<int64_t>(T) * I >= 65536)
-    for (int t = 0; t < T; ++t) {
+    const int pieces = (I + kSiluPiece - 1) / kSiluPiece;
+#pragma omp parallel for num_threads(threads) if (static_cast<int64_t>(T) * I >= kParallelElements)
+    for (int64_t piece = 0; piece < static_cast<int64_t>(T) * pieces; ++piece) {
+        const int t = static_cast<int>(piece / pieces), begin = static_cast<int>(piece % pieces) * kSiluPiece;
+        const int end = std::min(I, begin + kSiluPiece);
         const int64_t in = static_cast<int64_t>(t) * 2 * I, o = static_cast<int64_t>(t) * I;
-        int i = 0;
-        for (; i + 8 <= I; i += 8) {
+        int i = begin;
+        for (; i + 8 <= end; i += 8) {
             const __m256 g = load8(gate_up, dtype, in + i);
             store8(out, dtype, o + i, _mm256_mul_ps(round8(dtype, silu8(g)), load8(gate_up, dtype, in + I + i)));
         }
-        if (i < I) {  // the tail through a padded vector, so that it takes the same exp
+        if (i < end) {  // the row's tail through a padded vector, so that it takes the same exp
             float gate[8] = {}, silu[8];
-            for (int j = i; j < I; ++j) gate[j - i] = load(gate_up, dtype, in + j);
+            for (int j = i; j < end; ++j) gate[j - i] = load(gate_up, dtype, in + j);
             _mm256_storeu_ps(silu, silu8(_mm256_loadu_ps(gate)));
-            for (int j = i; j < I; ++j) store(out, dtype, o + j, round_to(dtype, silu[j - i]) * load(gate_up, dtype, in + I + j));
+            for (int j = i; j < end; ++j) store(out, dtype, o + j, round_to(dtype, silu[j - i]) * load(gate_up, dtype, in + I + j));
         }
     }
 }
