@@ -49,13 +49,14 @@ _KERNELS = {
     "gemm_avx512bf16": _Kernel("cpu_gemm_avx512.cpp", "gemm_avx512bf16", [_P, _P, _P, _I, _P] + [_I] * 6, None,
                                [*_AVX512, "-mavx512bf16", "-DGEMM_BF16=1"],
                                ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16")),
-    "paged_decode_attention": _Kernel("cpu_attention.cpp", "paged_decode_attention", [_P] * 6 + [_I] * 8 + [_F, _I],
-                                      None, _AVX2, ("avx2", "fma")),
+    "paged_decode_attention": _Kernel("cpu_attention.cpp", "paged_decode_attention",
+                                      [_P] * 6 + [_I] * 8 + [ctypes.c_int64, _F, _I], _I, _AVX2, ("avx2", "fma")),
     # kernels/fused.py: a decoder layer's elementwise steps, one library.
     "add_rms_norm": _Kernel("cpu_fused.cpp", "add_rms_norm", [_P] * 5 + [_I] * 3 + [_F, _I, _I], None, _FUSED,
                             ("avx2", "fma")),
     "silu_mul": _Kernel("cpu_fused.cpp", "silu_mul", [_P] * 2 + [_I] * 4, None, _FUSED, ("avx2", "fma")),
-    "rope_kv_write": _Kernel("cpu_fused.cpp", "rope_kv_write", [_P] * 8 + [_I] * 6, None, _FUSED, ("avx2", "fma")),
+    "rope_kv_write": _Kernel("cpu_fused.cpp", "rope_kv_write", [_P] * 8 + [_I] * 5 + [ctypes.c_int64] * 2 + [_I], _I,
+                             _FUSED, ("avx2", "fma")),
     "argmax_rows": _Kernel("cpu_fused.cpp", "argmax_rows", [_P, _I, _I, _I, ctypes.c_int64, _P, _I], None, _FUSED,
                            ("avx2", "fma")),
     "shm_allreduce": _Kernel("shm_allreduce.cpp", "shm_allreduce", [_P, _I, _I, _L, ctypes.c_int64, _P, _I, _L], _L,
@@ -224,21 +225,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"cpu attention: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} (contiguous: "
                          f"{k_cache.is_contiguous()}, {v_cache.is_contiguous()}), q {tuple(q.shape)}, block tables "
                          f"{tuple(block_tables.shape)}, context lens {tuple(context_lens.shape)}")
-    if num_reqs:
-        shortest, longest = (int(v) for v in torch.aminmax(context_lens))
-        lowest, highest = (int(v) for v in torch.aminmax(block_tables))
-        if shortest < 1 or longest > block_tables.shape[1] * block_size or lowest < 0 or highest >= num_blocks:
-            raise ValueError(f"cpu attention: context lengths in [{shortest}, {longest}] (must be in [1, "
-                             f"{block_tables.shape[1] * block_size}]), block ids in [{lowest}, {highest}] (must be "
-                             f"in [0, {num_blocks - 1}])")
     q = q.contiguous()
     block_tables = block_tables.to(torch.int64).contiguous()
     context_lens = context_lens.to(torch.int64).contiguous()
     out = torch.empty_like(q)
-    native_function("paged_decode_attention")(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
-        out.data_ptr(), _CODES[q.dtype], _CODES[k_cache.dtype], num_reqs, heads, kv_heads, head_dim, block_size,
-        block_tables.shape[1], 1.0 / math.sqrt(head_dim), torch.get_num_threads())
+    # The kernel checks the context lengths and block ids before it reads anything (1: out of range).
+    if native_function("paged_decode_attention")(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
+            out.data_ptr(), _CODES[q.dtype], _CODES[k_cache.dtype], num_reqs, heads, kv_heads, head_dim, block_size,
+            block_tables.shape[1], num_blocks, 1.0 / math.sqrt(head_dim), torch.get_num_threads()):
+        shortest, longest = (int(v) for v in torch.aminmax(context_lens))
+        lowest, highest = (int(v) for v in torch.aminmax(block_tables))
+        raise ValueError(f"cpu attention: context lengths in [{shortest}, {longest}] (must be in [1, "
+                         f"{block_tables.shape[1] * block_size}]), block ids in [{lowest}, {highest}] (must be "
+                         f"in [0, {num_blocks - 1}])")
     return out
 
 

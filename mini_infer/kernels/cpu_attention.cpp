@@ -185,10 +185,16 @@ void attend(const Args& a, int r, int kv_head, Scratch& s) {
 
 }  // namespace
 
-extern "C" void paged_decode_attention(const void* q, const void* k_cache, const void* v_cache,
-                                       const int64_t* block_tables, const int64_t* context_lens, void* out,
-                                       int io_dtype, int cache_dtype, int R, int H, int KVH, int D, int block_size,
-                                       int max_blocks, float scale, int threads) {
+// Returns 0, or 1 without reading the caches where a context length is outside [1, max_blocks * block_size] or a
+// block id outside [0, num_blocks): checked here, on the way in, rather than by tensor ops in every layer's call.
+extern "C" int paged_decode_attention(const void* q, const void* k_cache, const void* v_cache,
+                                      const int64_t* block_tables, const int64_t* context_lens, void* out,
+                                      int io_dtype, int cache_dtype, int R, int H, int KVH, int D, int block_size,
+                                      int max_blocks, int64_t num_blocks, float scale, int threads) {
+    for (int r = 0; r < R; ++r)
+        if (context_lens[r] < 1 || context_lens[r] > static_cast<int64_t>(max_blocks) * block_size) return 1;
+    for (int64_t i = 0; i < static_cast<int64_t>(R) * max_blocks; ++i)
+        if (block_tables[i] < 0 || block_tables[i] >= num_blocks) return 1;
     const Args a{q, k_cache, v_cache, block_tables, context_lens, out, io_dtype, cache_dtype, R, H, KVH, D,
                  block_size, max_blocks, scale};
 #pragma omp parallel num_threads(threads)
@@ -197,4 +203,5 @@ extern "C" void paged_decode_attention(const void* q, const void* k_cache, const
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < R * KVH; ++item) attend(a, item / KVH, item % KVH, scratch);
     }
+    return 0;
 }

@@ -190,9 +190,15 @@ extern "C" void silu_mul(const void* gate_up, void* out, int dtype, int T, int I
 
 // qkv [T, (H + 2 KVH) D] -> q_out [T, H, D] with RoPE (rotate-half) at positions[t]; k (rotated) and v land in
 // k_cache / v_cache [num_blocks, block_size, KVH, D] at slot_mapping[t]. cos, sin: [max_positions, D].
-extern "C" void rope_kv_write(const void* qkv, const int64_t* positions, const void* cos, const void* sin,
-                              void* q_out, void* k_cache, void* v_cache, const int64_t* slot_mapping,
-                              int dtype, int T, int H, int KVH, int D, int threads) {
+// Returns 0, or 1 without writing anything where a slot is outside [0, num_slots) or a position outside
+// [0, max_positions): checked here, on the way in, rather than by tensor ops in every layer's call.
+extern "C" int rope_kv_write(const void* qkv, const int64_t* positions, const void* cos, const void* sin,
+                             void* q_out, void* k_cache, void* v_cache, const int64_t* slot_mapping,
+                             int dtype, int T, int H, int KVH, int D, int64_t num_slots, int64_t max_positions,
+                             int threads) {
+    for (int t = 0; t < T; ++t)
+        if (slot_mapping[t] < 0 || slot_mapping[t] >= num_slots || positions[t] < 0 || positions[t] >= max_positions)
+            return 1;
     const int half = D / 2;
     const int64_t row = static_cast<int64_t>(H + 2 * KVH) * D;
 #pragma omp parallel for num_threads(threads) if (T >= 16)
@@ -223,6 +229,7 @@ extern "C" void rope_kv_write(const void* qkv, const int64_t* positions, const v
         const int64_t v = in + static_cast<int64_t>(H + KVH) * D;
         for (int64_t d = 0; d < static_cast<int64_t>(KVH) * D; ++d) store(v_cache, dtype, cache + d, load(qkv, dtype, v + d));
     }
+    return 0;
 }
 
 // x [R, C] with rows `stride` elements apart -> out[r] = the index of row r's largest value, the first of equals,

@@ -96,21 +96,20 @@ def rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                          f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)} {k_cache.dtype} (contiguous: "
                          f"{k_cache.is_contiguous()}, {v_cache.is_contiguous()}), cos/sin {tuple(cos.shape)} "
                          f"{cos.dtype}, positions {tuple(positions.shape)}, slot mapping {tuple(slot_mapping.shape)}")
-    if num_tokens:
-        lowest, highest = (int(v) for v in torch.aminmax(slot_mapping))
-        first, last = (int(v) for v in torch.aminmax(positions))
-        if lowest < 0 or highest >= num_blocks * block_size or first < 0 or last >= cos.shape[0]:
-            raise ValueError(f"rope_kv_write: slots in [{lowest}, {highest}] (must be in [0, "
-                             f"{num_blocks * block_size - 1}]), positions in [{first}, {last}] (must be in [0, "
-                             f"{cos.shape[0] - 1}])")
     qkv = qkv.contiguous()
     positions = positions.to(torch.int64).contiguous()
     slot_mapping = slot_mapping.to(torch.int64).contiguous()
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype)
-    cpu.native_function("rope_kv_write")(
-        qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k_cache.data_ptr(),
-        v_cache.data_ptr(), slot_mapping.data_ptr(), _CODES[qkv.dtype], num_tokens, num_heads, kv_heads, head_dim,
-        torch.get_num_threads())
+    # The kernel checks the slots and positions before it writes anything (1: out of range).
+    if cpu.native_function("rope_kv_write")(
+            qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k_cache.data_ptr(),
+            v_cache.data_ptr(), slot_mapping.data_ptr(), _CODES[qkv.dtype], num_tokens, num_heads, kv_heads, head_dim,
+            num_blocks * block_size, cos.shape[0], torch.get_num_threads()):
+        lowest, highest = (int(v) for v in torch.aminmax(slot_mapping))
+        first, last = (int(v) for v in torch.aminmax(positions))
+        raise ValueError(f"rope_kv_write: slots in [{lowest}, {highest}] (must be in [0, "
+                         f"{num_blocks * block_size - 1}]), positions in [{first}, {last}] (must be in [0, "
+                         f"{cos.shape[0] - 1}])")
     return q
 
 
