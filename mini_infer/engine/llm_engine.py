@@ -10,24 +10,23 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
-from torch.profiler import record_function
 
 from mini_infer.config import EngineConfig
 from mini_infer.distributed.comm import Comm
-from mini_infer.executor.ranks import Ranks
 from mini_infer.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
 from mini_infer.engine.input_processor import InputProcessor, PromptType
 from mini_infer.engine.kv_cache import KVCacheManager
 from mini_infer.engine.request import Request, RequestStatus
 from mini_infer.engine.scheduler import Scheduler
-from mini_infer.errors import InvalidRequestError, WorkerDiedError
-from mini_infer.outputs import CompletionOutput, Logprob, RequestOutput
 from mini_infer.engine.stop import check_stop
+from mini_infer.errors import InvalidRequestError, WorkerDiedError
+from mini_infer.executor.ranks import Ranks
+from mini_infer.outputs import CompletionOutput, Logprob, RequestOutput
+from mini_infer.profiling import profiled
 from mini_infer.runner.model_runner import ModelRunner
 from mini_infer.runner.plan import StepPlan
 from mini_infer.runner.sampler import SamplerOutput
 from mini_infer.sampling_params import RequestOutputKind, SamplingParams
-
 
 
 class LLMEngine:
@@ -103,12 +102,12 @@ class LLMEngine:
         if self._failure is not None:
             raise WorkerDiedError(f"the engine has stopped: {self._failure}")
         outputs, self._aborted_outputs = self._aborted_outputs, []
-        with record_function("scheduler"):
+        with profiled("scheduler"):
             plan = self.scheduler.schedule()
         if not (plan.request_ids or plan.finished_ids or plan.preempted_ids):
             return outputs
         sampled = self._execute(plan)
-        with record_function("scheduler"):
+        with profiled("scheduler"):
             outputs.extend(self._process(plan, sampled))
         return outputs
 

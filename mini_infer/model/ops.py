@@ -16,13 +16,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.profiler import record_function
 
 from mini_infer.config import CPU_KERNEL_MODES
 from mini_infer.kernels import cpu, fused
 from mini_infer.kernels.autotune import LinearTuner, bucket_index, last_level_cache_bytes, machine_key, median_ms
 from mini_infer.model.attention import AttentionMetadata, paged_attention, write_kv
 from mini_infer.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from mini_infer.profiling import profiled
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,13 +88,13 @@ class Ops:
         (with the native kernels in one pass, which the profile's kv_write range then covers)."""
         k_cache, v_cache = kv_cache
         if self.native:
-            with record_function("kv_write"):
+            with profiled("kv_write"):
                 return fused.rope_kv_write(qkv, positions, rotary.cos, rotary.sin, k_cache, v_cache, slot_mapping,
                                            num_heads)
         num_tokens, (kv_heads, head_dim) = qkv.shape[0], k_cache.shape[2:]
         q, k, v = qkv.split((num_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
         q, k = rotary(positions, q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, kv_heads, head_dim))
-        with record_function("kv_write"):
+        with profiled("kv_write"):
             write_kv(k_cache, v_cache, k, v.view(num_tokens, kv_heads, head_dim), slot_mapping)
         return q
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.profiler import record_function
 
 from mini_infer.config import ModelConfig
 from mini_infer.distributed.comm import Comm
 from mini_infer.distributed.shard import Shard
 from mini_infer.model.attention import AttentionMetadata
-from mini_infer.model.ops import Ops
 from mini_infer.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, empty_parameter
+from mini_infer.model.ops import Ops
+from mini_infer.profiling import profiled
 
 
 class Qwen2Attention(nn.Module):
@@ -40,7 +40,7 @@ class Qwen2Attention(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.ops.linear(x, self.qkv_proj, self.qkv_bias)
         q = self.ops.rope_kv_write(qkv, positions, rotary, kv_cache, meta.slot_mapping, self.num_heads)
-        with record_function("attention"):
+        with profiled("attention"):
             out = self.ops.attention(q, *kv_cache, meta)
         return self.comm.all_reduce(self.ops.linear(out.reshape(num_tokens, -1), self.o_proj))
 
@@ -113,7 +113,7 @@ class Qwen2ForCausalLM(nn.Module):
             x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta)
         if not self.shard.last_stage:
             return x if residual is None else x + residual
-        with record_function("lm_head"):
+        with profiled("lm_head"):
             rows = residual[logits_indices] if residual is not None else None
             x, _ = self.ops.rms_norm(self.norm, x[logits_indices], rows)
             return self.comm.gather_vocab(self.ops.linear(x, self.lm_head))

@@ -11,13 +11,13 @@ import resource
 from pathlib import Path
 
 import torch
-from torch.profiler import record_function
 
 from mini_infer.config import EngineConfig
 from mini_infer.distributed.comm import Comm
 from mini_infer.model.attention import AttentionMetadata
 from mini_infer.model.loader import load_model
 from mini_infer.model.ops import TunedWeight, select_ops
+from mini_infer.profiling import profiled
 from mini_infer.runner.input_batch import InputBatch, StepInputs
 from mini_infer.runner.plan import StepPlan
 from mini_infer.runner.sampler import Sampler, SamplerOutput
@@ -63,15 +63,15 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> SamplerOutput | None:
         """Run one step; rank 0 returns the sampled tokens of the requests that sample (None if none does)."""
-        with record_function("input_prep"):
+        with profiled("input_prep"):
             inputs = self.prepare(plan)
         if inputs is None:
             return None
-        with record_function("forward"):
+        with profiled("forward"):
             logits = self.forward(inputs)
         if self.sampler is None or not inputs.sampling_slots:
             return None
-        with record_function("sampling"):
+        with profiled("sampling"):
             return self.sampler(logits, inputs.sampling_slots)
 
     @torch.inference_mode()
