@@ -72,11 +72,12 @@ int ceil_log2(int64_t x) {
 // summed in cascaded chunks of 16, the leftover vectors into the first accumulator, then the scalar tail and
 // the lanes. Another order would move the mean by an ulp now and then, and a normalised value across a bfloat16
 // rounding boundary with it.
-constexpr int kMaxWidth = 16, kIlp = 4, kLevels = 4;
+constexpr int kIlp = 4, kLevels = 4;
 
-float sum_of_squares(const float* x, int64_t n, int width) {
+template <int width>  // a constant, so that each lane loop below compiles to one vector operation
+float sum_of_squares(const float* x, int64_t n) {
     const int64_t vectors = n / width, groups = vectors / kIlp;
-    float acc[kLevels][kIlp][kMaxWidth] = {};
+    float acc[kLevels][kIlp][width] = {};
     auto add_vector = [&](float* into, int64_t v) {
         for (int l = 0; l < width; ++l) into[l] += x[v * width + l] * x[v * width + l];
     };
@@ -107,6 +108,10 @@ float sum_of_squares(const float* x, int64_t n, int width) {
     for (int64_t e = vectors * width; e < n; ++e) total += x[e] * x[e];
     for (int l = 0; l < width; ++l) total += acc[0][0][l];
     return total;
+}
+
+float sum_of_squares(const float* x, int64_t n, int width) {
+    return width == 16 ? sum_of_squares<16>(x, n) : sum_of_squares<8>(x, n);
 }
 
 // One row of RMSNorm.forward: float32 normalisation, rounded to the dtype, then the weight multiply in the dtype.
