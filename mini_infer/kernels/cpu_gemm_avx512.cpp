@@ -22,7 +22,7 @@ constexpr int PANEL = 16;
 //    matmuls below the memory bandwidth (all of a 0.5B step's matmuls: 8 rows 58-81 -> 48-58 ms, 32 rows 170-208
 //    -> 161-177 ms), and 64 steps beat 8, 16, 32 and 128.
 //  - FAR: into L2, 512 k steps (16-32 KB) ahead. On a Zen 4 EPYC, NEAR streamed slower than no prefetch at all
-//    (1 row from memory: 24-34 vs 28-43 GB/s), FAR faster than both (30-50 GB/s, 1-32 rows).
+//    (1 row from memory: 24-34 vs 28-43 GB/s), FAR faster than both at 1-32 rows (1 row: 32-51 GB/s).
 enum Prefetch : int { NEAR = 0, FAR = 1 };
 template <int PF>
 inline void prefetch(const void* p, int64_t step_bytes) {
