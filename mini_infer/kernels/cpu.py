@@ -25,7 +25,7 @@ _AVX2 = [*_BASE_FLAGS, "-mavx2", "-mfma"]
 _AVX512 = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl"]
 _FUSED = [*_AVX2, "-ffp-contract=off"]  # a * b + c must round twice, as torch's two ops do
 DTYPES = (torch.bfloat16, torch.float32)
-_CODES = {torch.float32: 0, torch.bfloat16: 1}
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the kernels' dtype arguments
 PANEL = 16  # output columns per panel of a packed weight (cpu_gemm*.cpp)
 _P, _I, _F, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
 
@@ -59,12 +59,16 @@ _KERNELS = {
                              _FUSED, ("avx2", "fma")),
     "argmax_rows": _Kernel("cpu_fused.cpp", "argmax_rows", [_P, _I, _I, _I, ctypes.c_int64, _P, _I], None, _FUSED,
                            ("avx2", "fma")),
+    # kernels/decoder.py: a decode step's layers in one call, through the kernels above (their addresses passed in).
+    "decode_layers": _Kernel("cpu_decoder.cpp", "decode_layers", [_P, _P, _I] + [_P] * 7 + [_I] * 3, _I, _BASE_FLAGS,
+                             ()),
     "shm_allreduce": _Kernel("shm_allreduce.cpp", "shm_allreduce", [_P, _I, _I, _L, ctypes.c_int64, _P, _I, _L], _L,
                              _AVX2, ("avx2", "fma")),
 }
 # The kernels that must build for cpu_kernels to run natively; the AVX-512 matmuls are extra paths where the CPU
 # has them (MATMUL_PATHS).
-_BASE = ("gemm", "paged_decode_attention", "add_rms_norm", "silu_mul", "rope_kv_write", "argmax_rows", "shm_allreduce")
+_BASE = ("gemm", "paged_decode_attention", "add_rms_norm", "silu_mul", "rope_kv_write", "argmax_rows", "decode_layers",
+         "shm_allreduce")
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,24 +193,40 @@ def pack_weight(weight: torch.Tensor, layout: str = "panels") -> PackedWeight:
     return PackedWeight(data.contiguous(), out_features, in_features, layout)
 
 
+# How each matmul kernel takes its arguments (cpu_gemm*.cpp; cpu_decoder.cpp calls them by these kinds too):
+# AVX2 reads a weight of either dtype; the AVX-512 ones take a prefetch; AVX512_BF16's x is bfloat16 only.
+GEMM_KINDS = {"gemm": 0, "gemm_avx512": 1, "gemm_avx512_pairs": 1, "gemm_avx512bf16": 2}
+_AVX2_KIND, _BF16_KIND = 0, 2
+
+
+def matmul_kernel(x_dtype: torch.dtype, weight: PackedWeight, path: str) -> str:
+    """The kernel of native path `path` that multiplies `x_dtype` rows by `weight` (ValueError if it cannot)."""
+    spec = MATMUL_PATHS.get(path)
+    layout, kernel = spec.kernels.get(weight.dtype, ("", "")) if spec is not None else ("", "")
+    if (x_dtype not in DTYPES or layout != weight.layout
+            or (GEMM_KINDS.get(kernel) == _BF16_KIND and x_dtype != torch.bfloat16)):
+        raise ValueError(f"cpu linear: x of {x_dtype} on path {path!r} does not match a {weight.layout} {weight.dtype} "
+                         f"weight of {weight.out_features} x {weight.in_features}")
+    return kernel
+
+
 def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None,
            path: str = "avx2") -> torch.Tensor:
     """x [M, K] @ weight.T + bias -> [M, N] in x's dtype (float32 or bfloat16) through a native path (its weight
     in that path's layout); arithmetic in float32, or bf16 products summed in float32 on `avx512_bf16`."""
-    spec = MATMUL_PATHS.get(path)
-    layout, kernel = spec.kernels.get(weight.dtype, ("", "")) if spec is not None else ("", "")
-    if (x.dim() != 2 or x.shape[1] != weight.in_features or x.dtype not in DTYPES or layout != weight.layout
-            or (kernel == "gemm_avx512bf16" and x.dtype != torch.bfloat16)):
-        raise ValueError(f"cpu linear: x {tuple(x.shape)} {x.dtype} on path {path!r} does not match a "
-                         f"{weight.layout} {weight.dtype} weight of {weight.out_features} x {weight.in_features}")
+    if x.dim() != 2 or x.shape[1] != weight.in_features:
+        raise ValueError(f"cpu linear: x {tuple(x.shape)} does not match a {weight.layout} {weight.dtype} weight of "
+                         f"{weight.out_features} x {weight.in_features}")
+    kernel = matmul_kernel(x.dtype, weight, path)
+    kind = GEMM_KINDS[kernel]
     x = x.contiguous()
     out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)
-    bias_args = (bias.contiguous().data_ptr(), _CODES[bias.dtype]) if bias is not None else (None, 0)
+    bias_args = (bias.contiguous().data_ptr(), DTYPE_CODES[bias.dtype]) if bias is not None else (None, 0)
     sizes = (x.shape[0], weight.out_features, x.shape[1])
-    prefetch = () if spec.prefetch is None else (spec.prefetch,)
-    x_args = (x.data_ptr(),) if kernel == "gemm_avx512bf16" else (x.data_ptr(), _CODES[x.dtype])  # bf16 x only there
-    w_args = (weight.data.data_ptr(), _CODES[weight.dtype]) if kernel == "gemm" else (weight.data.data_ptr(),)
-    native_function(kernel)(*x_args, *w_args, *bias_args, out.data_ptr(), _CODES[x.dtype], *sizes, *prefetch,
+    prefetch = () if kind == _AVX2_KIND else (MATMUL_PATHS[path].prefetch,)
+    x_args = (x.data_ptr(),) if kind == _BF16_KIND else (x.data_ptr(), DTYPE_CODES[x.dtype])  # bf16 x only there
+    w_args = (weight.data.data_ptr(), DTYPE_CODES[weight.dtype]) if kind == _AVX2_KIND else (weight.data.data_ptr(),)
+    native_function(kernel)(*x_args, *w_args, *bias_args, out.data_ptr(), DTYPE_CODES[x.dtype], *sizes, *prefetch,
                             torch.get_num_threads())
     return out
 
@@ -232,14 +252,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # The kernel checks the context lengths and block ids before it reads anything (1: out of range).
     if native_function("paged_decode_attention")(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
-            out.data_ptr(), _CODES[q.dtype], _CODES[k_cache.dtype], num_reqs, heads, kv_heads, head_dim, block_size,
-            block_tables.shape[1], num_blocks, 1.0 / math.sqrt(head_dim), torch.get_num_threads()):
-        shortest, longest = (int(v) for v in torch.aminmax(context_lens))
-        lowest, highest = (int(v) for v in torch.aminmax(block_tables))
-        raise ValueError(f"cpu attention: context lengths in [{shortest}, {longest}] (must be in [1, "
-                         f"{block_tables.shape[1] * block_size}]), block ids in [{lowest}, {highest}] (must be "
-                         f"in [0, {num_blocks - 1}])")
+            out.data_ptr(), DTYPE_CODES[q.dtype], DTYPE_CODES[k_cache.dtype], num_reqs, heads, kv_heads, head_dim,
+            block_size, block_tables.shape[1], num_blocks, 1.0 / math.sqrt(head_dim), torch.get_num_threads()):
+        raise attention_range_error(block_tables, context_lens, block_size, num_blocks)
     return out
+
+
+def attention_range_error(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                          num_blocks: int) -> ValueError:
+    """What the attention kernel refused (it returned 1): the ranges it found and the ones it allows."""
+    shortest, longest = (int(v) for v in torch.aminmax(context_lens))
+    lowest, highest = (int(v) for v in torch.aminmax(block_tables))
+    return ValueError(f"cpu attention: context lengths in [{shortest}, {longest}] (must be in [1, "
+                      f"{block_tables.shape[1] * block_size}]), block ids in [{lowest}, {highest}] (must be "
+                      f"in [0, {num_blocks - 1}])")
 
 
 _SHM_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float64: 2}

@@ -13,11 +13,8 @@ import torch
 
 from mini_infer.kernels import cpu
 
-_CODES = {torch.float32: 0, torch.bfloat16: 1}
-
-
 @functools.cache
-def _sum_width() -> int:
+def sum_width() -> int:
     """The lanes (8 or 16) of torch's float32 sum kernel here, found by normalising a probe both ways: the norm's
     mean of squares must add in torch's order to round as RMSNorm.forward does, and which of its AVX2 or AVX-512
     builds torch dispatches to is torch's business."""
@@ -54,7 +51,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 def _add_rms_norm(x, residual, weight, eps):
-    return _launch_norm(x, residual, weight, eps, _sum_width())
+    return _launch_norm(x, residual, weight, eps, sum_width())
 
 
 def _launch_norm(x, residual, weight, eps, width):
@@ -62,7 +59,7 @@ def _launch_norm(x, residual, weight, eps, width):
     residual_out = torch.empty_like(x) if residual is not None else x
     cpu.native_function("add_rms_norm")(
         x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(), out.data_ptr(),
-        residual_out.data_ptr(), _CODES[x.dtype], x.shape[0], x.shape[1], eps, width, torch.get_num_threads())
+        residual_out.data_ptr(), cpu.DTYPE_CODES[x.dtype], x.shape[0], x.shape[1], eps, width, torch.get_num_threads())
     return out, residual_out
 
 
@@ -72,7 +69,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"silu_mul: gate_up {tuple(gate_up.shape)} {gate_up.dtype} must be [T, 2I] bfloat16/float32")
     gate_up = gate_up.contiguous()
     out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
-    cpu.native_function("silu_mul")(gate_up.data_ptr(), out.data_ptr(), _CODES[gate_up.dtype], *out.shape,
+    cpu.native_function("silu_mul")(gate_up.data_ptr(), out.data_ptr(), cpu.DTYPE_CODES[gate_up.dtype], *out.shape,
                                     torch.get_num_threads())
     return out
 
@@ -103,14 +100,19 @@ def rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     # The kernel checks the slots and positions before it writes anything (1: out of range).
     if cpu.native_function("rope_kv_write")(
             qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k_cache.data_ptr(),
-            v_cache.data_ptr(), slot_mapping.data_ptr(), _CODES[qkv.dtype], num_tokens, num_heads, kv_heads, head_dim,
-            num_blocks * block_size, cos.shape[0], torch.get_num_threads()):
-        lowest, highest = (int(v) for v in torch.aminmax(slot_mapping))
-        first, last = (int(v) for v in torch.aminmax(positions))
-        raise ValueError(f"rope_kv_write: slots in [{lowest}, {highest}] (must be in [0, "
-                         f"{num_blocks * block_size - 1}]), positions in [{first}, {last}] (must be in [0, "
-                         f"{cos.shape[0] - 1}])")
+            v_cache.data_ptr(), slot_mapping.data_ptr(), cpu.DTYPE_CODES[qkv.dtype], num_tokens, num_heads, kv_heads,
+            head_dim, num_blocks * block_size, cos.shape[0], torch.get_num_threads()):
+        raise rope_range_error(slot_mapping, positions, num_blocks * block_size, cos.shape[0])
     return q
+
+
+def rope_range_error(slot_mapping: torch.Tensor, positions: torch.Tensor, num_slots: int,
+                     max_positions: int) -> ValueError:
+    """What the RoPE/KV-write kernel refused (it returned 1): the ranges it found and the ones it allows."""
+    lowest, highest = (int(v) for v in torch.aminmax(slot_mapping))
+    first, last = (int(v) for v in torch.aminmax(positions))
+    return ValueError(f"rope_kv_write: slots in [{lowest}, {highest}] (must be in [0, {num_slots - 1}]), positions "
+                      f"in [{first}, {last}] (must be in [0, {max_positions - 1}])")
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -120,6 +122,6 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"argmax: x {tuple(x.shape)} {x.dtype} (strides {x.stride()}) must be [R, C] with C > 0, "
                          "bfloat16/float32, each row contiguous")
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    cpu.native_function("argmax_rows")(x.data_ptr(), _CODES[x.dtype], x.shape[0], x.shape[1], x.stride(0),
+    cpu.native_function("argmax_rows")(x.data_ptr(), cpu.DTYPE_CODES[x.dtype], x.shape[0], x.shape[1], x.stride(0),
                                        out.data_ptr(), torch.get_num_threads())
     return out

@@ -50,14 +50,19 @@ class Ops:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | cpu.PackedWeight | TunedWeight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
+        native = self.native_linear(weight, x.shape[0])
+        if native is not None:
+            return cpu.linear(x, native[1], bias, native[0])
+        return F.linear(x, weight.dense if isinstance(weight, TunedWeight) else weight, bias)
+
+    def native_linear(self, weight: torch.Tensor | cpu.PackedWeight | TunedWeight,
+                      rows: int) -> tuple[str, cpu.PackedWeight] | None:
+        """The native path and packed weight that a matmul of `rows` rows by `weight` runs on, or None where
+        torch's does."""
         if isinstance(weight, TunedWeight):
-            path = weight.winners[bucket_index(x.shape[0])]
-            if path == "torch":
-                return F.linear(x, weight.dense, bias)
-            return cpu.linear(x, weight.packed[cpu.weight_layout(path, weight.dtype)], bias, path)
-        if isinstance(weight, cpu.PackedWeight):
-            return cpu.linear(x, weight, bias, self.path)
-        return F.linear(x, weight, bias)
+            path = weight.winners[bucket_index(rows)]
+            return None if path == "torch" else (path, weight.packed[cpu.weight_layout(path, weight.dtype)])
+        return (self.path, weight) if isinstance(weight, cpu.PackedWeight) else None
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata) -> torch.Tensor:

@@ -15,6 +15,7 @@ from torch import nn
 from mini_infer.config import ModelConfig
 from mini_infer.distributed.comm import Comm
 from mini_infer.distributed.shard import Shard
+from mini_infer.kernels.decoder import DecoderStack, LayerTensors
 from mini_infer.model.attention import AttentionMetadata
 from mini_infer.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, empty_parameter
 from mini_infer.model.ops import Ops
@@ -83,6 +84,7 @@ class Qwen2ForCausalLM(nn.Module):
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
             tied_here = config.tie_word_embeddings and shard.first_stage
             self.lm_head = self.embed_tokens if tied_here else empty_parameter(*vocab_rows, **factory)
+        self._stacks: dict[tuple, DecoderStack] = {}  # per set of matmul choices, built on first use
 
     def linear_weights(self) -> list[tuple[nn.Module, str]]:
         """(module, attribute) of every matmul weight: the projections of each layer and the LM head."""
@@ -91,6 +93,33 @@ class Qwen2ForCausalLM(nn.Module):
             pairs += [(layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"), (layer.mlp, "gate_up_proj"),
                       (layer.mlp, "down_proj")]
         return pairs + ([(self, "lm_head")] if self.lm_head is not None else [])
+
+    def _decoder_stack(self, num_tokens: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                       meta: AttentionMetadata) -> DecoderStack | None:
+        """All the layers in one native call (kernels/decoder.py) for a step where every request decodes one token
+        and every matmul of that batch size runs natively; None where the layers run one op at a time (prefill,
+        torch's matmul, tensor parallel: there the projections' partial sums meet between the kernels)."""
+        if (not self.ops.native or not self.layers or self.shard.tp_size > 1 or meta.num_decodes != meta.num_reqs
+                or num_tokens != meta.num_reqs):
+            return None
+        first = self.layers[0]
+        weights = (first.self_attn.qkv_proj, first.self_attn.o_proj, first.mlp.gate_up_proj, first.mlp.down_proj)
+        choices = [self.ops.native_linear(weight, num_tokens) for weight in weights]
+        if None in choices:
+            return None
+        # Every layer's weights have the same shapes, so the same choices; the caches are the runner's, fixed.
+        key = (tuple(path for path, _ in choices), kv_caches[0][0].data_ptr())
+        if key not in self._stacks:
+            self._stacks[key] = DecoderStack(
+                [LayerTensors(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                              layer.self_attn.qkv_bias, *kv_cache,
+                              *(self.ops.native_linear(weight, num_tokens) for weight in (
+                                  layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                                  layer.mlp.down_proj)))
+                 for layer, kv_cache in zip(self.layers, kv_caches)],
+                num_heads=self.shard.num_heads, intermediate_size=self.shard.intermediate_size,
+                eps=self.config.rms_norm_eps, cos=self.rotary.cos, sin=self.rotary.sin)
+        return self._stacks[key]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.shard.tp_size == 1:
@@ -109,8 +138,13 @@ class Qwen2ForCausalLM(nn.Module):
         [len(logits_indices), tp * vocab_shard_size] on its tensor rank 0, None on its other tensor ranks."""
         x = self.embed(inputs) if self.shard.first_stage else inputs
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta)
+        stack = self._decoder_stack(x.shape[0], kv_caches, meta)
+        if stack is not None:
+            with profiled("decoder_layers"):
+                x, residual = stack(x, positions, meta.slot_mapping, meta.block_tables, meta.context_lens)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta)
         if not self.shard.last_stage:
             return x if residual is None else x + residual
         with profiled("lm_head"):

@@ -1,0 +1,127 @@
+// A decode step's decoder layers in one call: for every layer, residual add + RMSNorm, the QKV matmul with its
+// bias, RoPE with the K/V cache write, paged decode attention, o_proj, residual add + RMSNorm, gate/up, SiLU x up
+// and down_proj, each by the native kernel the per-op path calls for it (kernels/decoder.py passes their
+// addresses). The numbers are those of the per-op path, bit for bit: the same kernels on the same inputs in the
+// same order. What goes is the Python between them, ~10 calls per layer, each with its own tensor allocations
+// and checks (6 of a 33 ms batch-1 step of the 0.5B model on a Zen 4).
+#include <stdint.h>
+#include <string.h>
+
+#include <vector>
+
+namespace {
+
+enum DType : int { F32 = 0, BF16 = 1 };
+// How a matmul kernel takes its arguments (kernels/cpu.py's three kinds of gemm).
+enum GemmKind : int { AVX2 = 0, AVX512 = 1, AVX512_BF16 = 2 };
+
+using Avx2Gemm = void (*)(const void*, int, const void*, int, const void*, int, void*, int, int, int, int, int);
+using Avx512Gemm = void (*)(const void*, int, const void*, const void*, int, void*, int, int, int, int, int, int);
+using Bf16Gemm = void (*)(const void*, const void*, const void*, int, void*, int, int, int, int, int, int);
+using NormFn = void (*)(const void*, const void*, const void*, void*, void*, int, int, int, float, int, int);
+using RopeFn = int (*)(const void*, const int64_t*, const void*, const void*, void*, void*, void*, const int64_t*,
+                       int, int, int, int, int, int64_t, int64_t, int);
+using AttentionFn = int (*)(const void*, const void*, const void*, const int64_t*, const int64_t*, void*, int, int,
+                            int, int, int, int, int, int, int64_t, float, int);
+using SiluFn = void (*)(const void*, void*, int, int, int, int);
+
+}  // namespace
+
+// One matmul of a layer: the kernel the autotuner chose for this step's batch-size bucket and the weight packed
+// in the layout it reads.
+struct Matmul {
+    const void* kernel;
+    const void* weight;
+    int kind;      // GemmKind
+    int w_dtype;   // the packed weight's dtype (the AVX2 kernel reads either)
+    int prefetch;  // the AVX-512 kernels' weight prefetch
+};
+
+struct Layer {
+    const void* input_norm;
+    const void* post_norm;
+    const void* qkv_bias;
+    void* k_cache;
+    void* v_cache;
+    Matmul qkv, o, gate_up, down;
+};
+
+struct Model {
+    const void* add_rms_norm;
+    const void* rope_kv_write;
+    const void* attention;
+    const void* silu_mul;
+    const void* cos;
+    const void* sin;
+    int dtype, hidden, heads, kv_heads, head_dim, intermediate, block_size, sum_width;
+    int64_t num_blocks, max_positions;
+    float eps, scale;
+};
+
+namespace {
+
+void matmul(const Matmul& m, const void* x, const void* bias, int dtype, void* out, int M, int N, int K,
+            int threads) {
+    switch (m.kind) {
+        case AVX2:
+            reinterpret_cast<Avx2Gemm>(m.kernel)(x, dtype, m.weight, m.w_dtype, bias, dtype, out, dtype, M, N, K,
+                                                  threads);
+            break;
+        case AVX512:
+            reinterpret_cast<Avx512Gemm>(m.kernel)(x, dtype, m.weight, bias, dtype, out, dtype, M, N, K, m.prefetch,
+                                                    threads);
+            break;
+        default:
+            reinterpret_cast<Bf16Gemm>(m.kernel)(x, m.weight, bias, dtype, out, dtype, M, N, K, m.prefetch, threads);
+            break;
+    }
+}
+
+}  // namespace
+
+// x [R, hidden]: the step's embeddings (or the previous pipeline stage's hidden states), one decode token per
+// request, where the residual stream starts. Writes the last layer's MLP output to out and the residual stream
+// before it to residual_out (both [R, hidden]); positions, slot_mapping, context_lens [R] and block_tables
+// [R, max_blocks] are int64. Returns 0; or 1 where the first layer's RoPE/KV write found a slot or position out of
+// range, 2 where its attention found a context length or block id out of range (the kernels check on entry, so the
+// per-op path would have stopped at the same point, after the same writes).
+extern "C" int decode_layers(const Model* model, const Layer* layers, int num_layers, const void* x, void* out,
+                             void* residual_out, const int64_t* positions, const int64_t* slot_mapping,
+                             const int64_t* block_tables, const int64_t* context_lens, int R, int max_blocks,
+                             int threads) {
+    const Model& c = *model;
+    const size_t elem = c.dtype == BF16 ? 2 : 4;
+    const int q_size = c.heads * c.head_dim, qkv_size = (c.heads + 2 * c.kv_heads) * c.head_dim;
+    const size_t rows = static_cast<size_t>(R);
+    std::vector<char> h(rows * c.hidden * elem), qkv(rows * qkv_size * elem), q(rows * q_size * elem),
+        attended(rows * q_size * elem), gate_up(rows * 2 * c.intermediate * elem),
+        act(rows * c.intermediate * elem);
+    const auto norm = reinterpret_cast<NormFn>(c.add_rms_norm);
+    const auto rope = reinterpret_cast<RopeFn>(c.rope_kv_write);
+    const auto attention = reinterpret_cast<AttentionFn>(c.attention);
+    const auto silu = reinterpret_cast<SiluFn>(c.silu_mul);
+    // The stream: residual_out holds it after each norm (the kernel reads and writes it in place, element by
+    // element); `out` holds each layer's MLP output, which the next layer's input norm adds to it.
+    memcpy(residual_out, x, rows * c.hidden * elem);
+    norm(x, nullptr, layers[0].input_norm, h.data(), nullptr, c.dtype, R, c.hidden, c.eps, c.sum_width, threads);
+    for (int i = 0; i < num_layers; ++i) {
+        const Layer& l = layers[i];
+        if (i > 0)
+            norm(out, residual_out, l.input_norm, h.data(), residual_out, c.dtype, R, c.hidden, c.eps, c.sum_width,
+                 threads);
+        matmul(l.qkv, h.data(), l.qkv_bias, c.dtype, qkv.data(), R, qkv_size, c.hidden, threads);
+        if (rope(qkv.data(), positions, c.cos, c.sin, q.data(), l.k_cache, l.v_cache, slot_mapping, c.dtype, R,
+                 c.heads, c.kv_heads, c.head_dim, c.num_blocks * c.block_size, c.max_positions, threads))
+            return 1;
+        if (attention(q.data(), l.k_cache, l.v_cache, block_tables, context_lens, attended.data(), c.dtype, c.dtype,
+                      R, c.heads, c.kv_heads, c.head_dim, c.block_size, max_blocks, c.num_blocks, c.scale, threads))
+            return 2;
+        matmul(l.o, attended.data(), nullptr, c.dtype, out, R, c.hidden, q_size, threads);
+        norm(out, residual_out, l.post_norm, h.data(), residual_out, c.dtype, R, c.hidden, c.eps, c.sum_width,
+             threads);
+        matmul(l.gate_up, h.data(), nullptr, c.dtype, gate_up.data(), R, 2 * c.intermediate, c.hidden, threads);
+        silu(gate_up.data(), act.data(), c.dtype, R, c.intermediate, threads);
+        matmul(l.down, act.data(), nullptr, c.dtype, out, R, c.hidden, c.intermediate, threads);
+    }
+    return 0;
+}
