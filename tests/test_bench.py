@@ -15,7 +15,7 @@ from mini_infer.bench.options import WORKLOADS
 from mini_infer.bench.report import RunResult, count_output_tokens, percentile
 from mini_infer.bench.roofline import Ceilings, DecodeCost, prefill_flops, roofline
 from mini_infer.bench.run import WORKLOADS as WORKLOAD_REGISTRY
-from mini_infer.bench.systems import DEFAULT_SYSTEMS, SystemFactory
+from mini_infer.bench.systems import DEFAULT_SYSTEMS, Case, SystemFactory, run_systems
 from mini_infer.config import ModelConfig
 from mini_infer.entrypoints.cli import main
 from mini_infer.factory import PRESETS, parameter_count
@@ -231,3 +231,39 @@ print("\\n".join(m for m in sys.modules if m.startswith("transformers")))
     modules = result.stdout.split()
     assert [m for m in modules if "modeling" in m or m.startswith("transformers.generation")] == []
     assert (tmp_path / "fixed.json").is_file()
+
+
+class _FakeSystem:
+    """Records its runs in a shared list; fails on its `fail_at`-th run."""
+
+    def __init__(self, name, calls, fail_at=None):
+        self.name, self.calls, self.fail_at, self.runs = name, calls, fail_at, 0
+
+    def run(self, prompts, output_lens):
+        self.runs += 1
+        if self.runs == self.fail_at:
+            raise RuntimeError(f"{self.name} broke")
+        self.calls.append((self.name, len(prompts)))
+        return RunResult([[1] * n for n in output_lens], [0.5] * len(prompts), 1.0)
+
+    def close(self):
+        self.calls.append((self.name, "closed"))
+
+
+def test_run_systems_interleaves_every_rep_and_drops_a_failing_optional_system():
+    calls = []
+    systems = {"mini-infer": _FakeSystem("mini-infer", calls),
+               "llama.cpp": _FakeSystem("llama.cpp", calls, fail_at=3)}  # warm-up, rep 1, then fails
+
+    class Factory:
+        def build(self, name):
+            return systems[name]
+
+    cases = [Case("B=1", [[1]], [2], [[1]], [1]), Case("B=2", [[1], [2]], [2, 2], [[1]], [1])]
+    records = run_systems(Factory(), ["mini-infer", "llama.cpp"], cases, 2, lambda _: None)
+    assert calls == [("mini-infer", 1), ("llama.cpp", 1),  # warm-ups of B=1
+                     ("mini-infer", 1), ("llama.cpp", 1),  # rep 1, each system in turn
+                     ("mini-infer", 1), ("llama.cpp", "closed"),  # rep 2: llama.cpp fails and is closed
+                     ("mini-infer", 1), ("mini-infer", 2), ("mini-infer", 2), ("mini-infer", "closed")]
+    assert [len(records["mini-infer"]["runs"][label]) for label in ("B=1", "B=2")] == [2, 2]
+    assert records["llama.cpp"] == {"reason": "RuntimeError: llama.cpp broke", "setup": None, "runs": {}}

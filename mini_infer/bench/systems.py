@@ -118,34 +118,58 @@ class Case:
 def run_systems(factory: SystemFactory, names: list[str], cases: list[Case], reps: int,
                 log: Callable[[str], None]) -> dict[str, dict]:
     """Per system {"reason": None, "setup": its `info` (a peer's versions and setup) or None, "runs": {case label:
-    [RunResult per rep]}}, each case after a warm-up run; an optional system that fails gets {"reason": its
-    one-line error, "setup": None, "runs": {}}, other failures propagate."""
-    records = {}
-    for name in names:
-        log(f"{name}: loading")
-        try:
-            system = factory.build(name)
+    [RunResult per rep]}}; an optional system that fails gets {"reason": its one-line error, "setup": None,
+    "runs": {}}, other failures propagate.
+
+    Every system is loaded first; then each case runs every system's warm-up, and each rep runs every system in
+    turn. A machine of this kind drifts 30-40 % in speed over minutes, so systems timed one after the other (all
+    of one, then all of the next) would compare different machines; interleaved, the drift falls on all alike."""
+    records, loaded = {}, {}
+
+    def fail(name: str, error: Exception) -> None:
+        if name not in OPTIONAL_SYSTEMS:
+            raise error
+        lines = str(error).strip().splitlines()
+        records[name] = {"reason": f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__,
+                         "setup": None, "runs": {}}
+        log(f"{name} skipped: {records[name]['reason']}")
+        system = loaded.pop(name, None)
+        if system is not None:
+            system.close()
+
+    def each(action: Callable, *args) -> None:
+        for name, system in list(loaded.items()):
             try:
-                records[name] = {"reason": None, "setup": getattr(system, "info", None),
-                                 "runs": {case.label: _timed(name, system, case, reps, log) for case in cases}}
-            finally:
-                system.close()
-        except Exception as error:
-            if name not in OPTIONAL_SYSTEMS:
-                raise
-            lines = str(error).strip().splitlines()
-            records[name] = {"reason": f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__,
-                             "setup": None, "runs": {}}
-            log(f"{name} skipped: {records[name]['reason']}")
-    return records
+                action(name, system, *args)
+            except Exception as error:
+                fail(name, error)
+
+    try:
+        for name in names:
+            log(f"{name}: loading")
+            try:
+                loaded[name] = factory.build(name)
+                records[name] = {"reason": None, "setup": getattr(loaded[name], "info", None), "runs": {}}
+            except Exception as error:
+                fail(name, error)
+        for case in cases:
+            each(_warm_up, case, log)
+            for rep in range(reps):
+                each(_timed, case, rep, reps, records, log)
+    finally:
+        for system in loaded.values():
+            system.close()
+    return {name: records[name] for name in names}
 
 
-def _timed(name: str, system, case: Case, reps: int, log: Callable[[str], None]) -> list[RunResult]:
+def _warm_up(name: str, system, case: Case, log: Callable[[str], None]) -> None:
     log(f"{name} {case.label} warm-up")
     system.run(case.warmup_prompts, case.warmup_output_lens)
-    results = []
-    for rep in range(reps):
-        results.append(system.run(case.prompts, case.output_lens))
-        log(f"{name} {case.label} rep {rep + 1}/{reps}: {results[-1].wall_s:.2f} s, "
-            f"{results[-1].output_tokens / results[-1].wall_s:.1f} output tok/s")
-    return results
+
+
+def _timed(name: str, system, case: Case, rep: int, reps: int, records: dict[str, dict],
+           log: Callable[[str], None]) -> None:
+    result = system.run(case.prompts, case.output_lens)
+    records[name]["runs"].setdefault(case.label, []).append(result)
+    log(f"{name} {case.label} rep {rep + 1}/{reps}: {result.wall_s:.2f} s, "
+        f"{result.output_tokens / result.wall_s:.1f} output tok/s")
