@@ -3,7 +3,7 @@ AVX512_BF16) or torch's own (oneDNN, which uses AVX512_BF16 or AMX where the CPU
 shape and batch-size bucket.
 
 The choice is cached on disk, keyed by everything that decides it: the CPU model and its instruction sets, torch's
-version, the kernel's source, the thread count and the dtype. A changed key times again.
+version, the kernel's source, the thread count, the dtype and how the timing is done. A changed key times again.
 """
 
 from __future__ import annotations
@@ -28,8 +28,11 @@ from mini_infer.paths import cache_dir
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # Every candidate name a cached table may hold (a machine times the ones it can run).
 CANDIDATES = (*cpu.MATMUL_PATHS, "torch")
-_REPS = 5
+_ROUNDS = 5  # timed calls per candidate and bucket
+_SLOW_ROUNDS = 3  # where a call takes longer than _SLOW_S (a prefill of the LM head, say): steady enough
 _SLOW_S = 0.02
+# How the candidates are timed (part of the cache key: a table timed another way is timed again).
+_METHOD = "warm-up, then interleaved rounds; decode buckets evicted from the caches"
 _FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
@@ -56,25 +59,18 @@ def cpu_identity() -> str:
 
 def machine_key(dtype: torch.dtype, kernel_source: str) -> str:
     """What the timings depend on besides the shape."""
-    parts = [cpu_identity(), torch.__version__, str(torch.get_num_threads()), str(dtype),
+    parts = [cpu_identity(), torch.__version__, str(torch.get_num_threads()), str(dtype), _METHOD,
              hashlib.sha256(kernel_source.encode()).hexdigest()[:16]]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
 
 
-def median_ms(run: Callable[[], object], before: Callable[[], object] | None = None) -> float:
-    """The median time of `run`, after one warm-up call; `before` (untimed) runs ahead of each call."""
+def timed_ms(run: Callable[[], object], before: Callable[[], object] | None = None) -> float:
+    """One call of `run` in ms; `before` (untimed) runs first."""
+    if before is not None:
+        before()
     start = time.perf_counter()
-    run()  # warm: first-touch pages, oneDNN's primitive cache
-    # A slow call (a large prefill of the LM head, say) is steady enough to need fewer repetitions.
-    reps = _REPS if time.perf_counter() - start < _SLOW_S else 2
-    times = []
-    for _ in range(reps):
-        if before is not None:
-            before()
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+    run()
+    return 1000 * (time.perf_counter() - start)
 
 
 def last_level_cache_bytes() -> int:
@@ -92,7 +88,7 @@ class LinearTuner:
 
     def __init__(self, key: str, timer: Callable[[str, int, int, int], float], candidates: tuple[str, ...],
                  path: Path | None = None) -> None:
-        """timer(candidate, rows, out_features, in_features) -> ms, for each of `candidates`."""
+        """timer(candidate, rows, out_features, in_features) -> the ms of one call, for each of `candidates`."""
         assert set(candidates) <= set(CANDIDATES), candidates
         self.timer, self.candidates = timer, candidates
         self.path = path or cache_dir() / "autotune" / f"linear-{key}.json"
@@ -114,10 +110,22 @@ class LinearTuner:
         if name not in self._table:
             print(f"[mini-infer] timing the matmul paths for a {out_features} x {in_features} weight once "
                   f"(cached in {self.path.parent})", file=sys.stderr)
-            self._table[name] = [min(self.candidates, key=lambda c: self.timer(c, rows, out_features, in_features))
-                                 for rows in BUCKETS]
+            self._table[name] = [self._fastest(rows, out_features, in_features) for rows in BUCKETS]
             self._save()
         return tuple(self._table[name])
+
+    def _fastest(self, rows: int, out_features: int, in_features: int) -> str:
+        """The candidate with the lowest median time: each called once to warm it (first-touch pages, oneDNN's
+        primitive cache), then timed in rounds that call every candidate in turn. The machine's speed drifts within
+        seconds (a neighbour's burst once made the slower of two LM-head matmuls win by 50 %); interleaved, the
+        drift falls on every candidate alike."""
+        warm = [self.timer(c, rows, out_features, in_features) for c in self.candidates]
+        rounds = _SLOW_ROUNDS if max(warm) > 1000 * _SLOW_S else _ROUNDS
+        samples: dict[str, list[float]] = {c: [] for c in self.candidates}
+        for _ in range(rounds):
+            for candidate in self.candidates:
+                samples[candidate].append(self.timer(candidate, rows, out_features, in_features))
+        return min(self.candidates, key=lambda c: statistics.median(samples[c]))
 
     def choices(self) -> dict[str, list[str]]:
         """Per weight shape ("NxK") timed so far, the winner of every bucket (BUCKETS), for reports."""

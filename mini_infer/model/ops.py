@@ -19,7 +19,7 @@ from torch import nn
 
 from mini_infer.config import CPU_KERNEL_MODES
 from mini_infer.kernels import cpu, fused
-from mini_infer.kernels.autotune import LinearTuner, bucket_index, last_level_cache_bytes, machine_key, median_ms
+from mini_infer.kernels.autotune import LinearTuner, bucket_index, last_level_cache_bytes, machine_key, timed_ms
 from mini_infer.model.attention import AttentionMetadata, paged_attention, write_kv
 from mini_infer.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from mini_infer.profiling import profiled
@@ -154,22 +154,23 @@ def select_ops(mode: str, dtype: torch.dtype, device: str | torch.device) -> Ops
 
 
 class _LinearTimer:
-    """Times one candidate matmul on random data of a weight's shape (the weights made once per shape).
+    """Times one call of a candidate matmul on random data of a weight's shape (the weights made once per shape,
+    the rows once per row count).
 
-    Up to STREAMING_ROWS rows a decode step's matmuls stream their weights from memory (a model's weights far
-    exceed the caches), so those calls are timed with the weight evicted from every cache level first: timed
-    cache-hot, a kernel that streams memory best could lose to one that only computes faster."""
+    A decode step's matmuls (up to STREAMING_ROWS rows, the decode buckets) stream their weights from memory (a
+    model's weights far exceed the caches), so those calls are timed with the weight evicted from every cache level
+    first: timed cache-hot, a kernel that streams memory best could lose to one that only computes faster."""
 
-    STREAMING_ROWS = 8
+    STREAMING_ROWS = 64
 
     def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype, self._shape, self._weights = dtype, None, {}
+        self.dtype, self._shape, self._weights, self._rows = dtype, None, {}, {}
         self._evict_buffer: torch.Tensor | None = None
 
     def release(self) -> None:
-        """Drop the timing data (the last shape's weights, the eviction buffer) once the model's weights are
-        prepared."""
-        self._shape, self._weights, self._evict_buffer = None, {}, None
+        """Drop the timing data (the last shape's weights and rows, the eviction buffer) once the model's weights
+        are prepared."""
+        self._shape, self._weights, self._rows, self._evict_buffer = None, {}, {}, None
 
     def _evict(self) -> None:
         if self._evict_buffer is None:  # 1.25x the last-level cache, read once per timed call
@@ -178,15 +179,17 @@ class _LinearTimer:
 
     def __call__(self, candidate: str, rows: int, out_features: int, in_features: int) -> float:
         if self._shape != (out_features, in_features):
-            self._shape = (out_features, in_features)
+            self._shape, self._rows = (out_features, in_features), {}
             self._weights = {"torch": torch.randn(out_features, in_features).to(self.dtype)}
         dense = self._weights["torch"]
-        x = torch.randn(rows, in_features).to(self.dtype)
+        if rows not in self._rows:
+            self._rows[rows] = torch.randn(rows, in_features).to(self.dtype)
+        x = self._rows[rows]
         before = self._evict if rows <= self.STREAMING_ROWS else None
         if candidate == "torch":
-            return median_ms(lambda: F.linear(x, dense), before)
+            return timed_ms(lambda: F.linear(x, dense), before)
         layout = cpu.weight_layout(candidate, self.dtype)
         if layout not in self._weights:
             self._weights[layout] = cpu.pack_weight(dense, layout)
         packed = self._weights[layout]
-        return median_ms(lambda: cpu.linear(x, packed, None, candidate), before)
+        return timed_ms(lambda: cpu.linear(x, packed, None, candidate), before)
