@@ -68,8 +68,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _serve(model_dir, *flags: str) -> tuple[subprocess.Popen, str]:
-    """`mini-infer serve` in its own session (so its process group is exactly what it started), once healthy."""
+def _serve(model_dir, *flags: str, attempts: int = 3) -> tuple[subprocess.Popen, str]:
+    """`mini-infer serve` in its own session (so its process group is exactly what it started), once healthy.
+
+    The port is free when chosen but the server binds it only after its engine is up; meanwhile a tensor-parallel
+    engine's ranks open connections on ephemeral ports and can take it (then the server exits, "address already in
+    use"): a harness race, so that case alone starts again on another port."""
     port = _free_port()
     process = subprocess.Popen([sys.executable, "-m", "mini_infer.entrypoints.cli", "serve", "--model", str(model_dir),
                                 "--dtype", "float32", "--port", str(port), *flags],
@@ -77,7 +81,11 @@ def _serve(model_dir, *flags: str) -> tuple[subprocess.Popen, str]:
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
-        assert process.poll() is None, process.communicate()[1]
+        if process.poll() is not None:
+            errors = process.communicate()[1]
+            if "address already in use" in errors and attempts > 1:
+                return _serve(model_dir, *flags, attempts=attempts - 1)
+            raise AssertionError(errors)
         assert time.monotonic() < deadline, "the server did not come up"
         try:
             if httpx.get(url + "/health", timeout=5).status_code == 200:
