@@ -171,9 +171,8 @@ import sys
 from mini_infer import LLM, SamplingParams
 llm = LLM(sys.argv[1], dtype="float32", data_parallel_size=2, tensor_parallel_size=2)
 print("ready", flush=True)
-while True:  # until the Ctrl-C: a single generate can finish before it arrives on a fast machine
-    llm.generate([[1, 2, 3]] * 4, SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True),
-                 use_tqdm=False)
+llm.generate([[1, 2, 3]] * 4, SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True),
+             use_tqdm=False)
 """
 
 
