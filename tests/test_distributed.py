@@ -166,8 +166,12 @@ def test_killed_worker_stops_the_engine_at_once_and_leaves_no_process(tiny_model
         llm.generate([[1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)
 
 
+# A shell starts the program with Python's own SIGINT handler; a child of the test process inherits that process's
+# disposition instead, and in full-suite runs it was SIG_IGN by then (the script then ignored the Ctrl-C, finished
+# and exited 0), so the script puts the default back first.
 CTRL_C_SCRIPT = """
-import sys
+import signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from mini_infer import LLM, SamplingParams
 llm = LLM(sys.argv[1], dtype="float32", data_parallel_size=2, tensor_parallel_size=2)
 print("ready", flush=True)
