@@ -32,7 +32,9 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
 # 16-column panels and panel groups with a remainder; K any length (odd: a bf16 pair's zero half).
 SHAPES = [(1, 1, 1), (1, 7, 9), (1, 80, 64), (1, 200, 33), (2, 50, 16), (2, 120, 7), (3, 33, 8), (3, 110, 65),
           (4, 2, 31), (4, 90, 12), (5, 10, 64), (5, 70, 3), (6, 16, 5), (7, 11, 100), (9, 4, 7), (12, 64, 256),
-          (16, 896, 896), (20, 100, 600), (23, 130, 513), (70, 13, 896), (130, 151, 40)]
+          (16, 896, 896), (20, 100, 600), (23, 130, 513), (70, 13, 896), (130, 151, 40),
+          # AMX tiles: 16 or 32 rows against 2-3 panels, 32 k per tile (K = 64: whole tiles; 600: 12 pairs past them)
+          (8, 48, 64), (17, 80, 64), (32, 64, 600), (48, 40, 96), (33, 112, 32)]
 
 
 @pytest.mark.parametrize("path,weight_dtype", [(path, dtype) for path in PATHS for dtype in cpu.DTYPES
@@ -136,6 +138,20 @@ def test_build_failure_names_the_compiler_error(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", "no-such-compiler")
     with pytest.raises(KernelUnavailable, match="no C\\+\\+ compiler 'no-such-compiler'"):
         build_library(source, ["-O1"])
+
+
+def test_a_kernel_the_os_refuses_is_unavailable(tmp_path, monkeypatch):
+    """AMX needs the OS's permission (cpu_gemm_amx.cpp's amx_enable): a refusal makes the kernel unavailable, with
+    the errno, rather than a crash on its first tile instruction."""
+    from mini_infer.kernels.build import KernelUnavailable
+
+    monkeypatch.setenv("MINI_INFER_CACHE", str(tmp_path))
+    source = tmp_path / "refused.cpp"
+    source.write_text('extern "C" int refuse() { return 1; }\nextern "C" void work() {}\n')
+    kernel = cpu._Kernel(str(source), "work", [], None, ["-O1"], (), enable="refuse")
+    monkeypatch.setitem(cpu._KERNELS, "refused_work", kernel)
+    with pytest.raises(KernelUnavailable, match=r"the OS refused work its registers \(refuse: EPERM\)"):
+        cpu.native_function("refused_work")
 
 
 def reference_decode_attention(q, k_cache, v_cache, block_tables, context_lens):

@@ -1,5 +1,5 @@
 """Which matmul runs a linear layer on this machine: one of the native kernels that run here (AVX2, AVX-512F,
-AVX512_BF16) or torch's own (oneDNN, which uses AVX512_BF16 or AMX where the CPU has them), timed once per weight
+AVX512_BF16, AMX) or torch's own (oneDNN, which uses AVX512_BF16 or AMX where the CPU has them), timed once per weight
 shape and batch-size bucket.
 
 The choice is cached on disk, keyed by everything that decides it: the CPU model and its instruction sets, torch's

@@ -1,16 +1,18 @@
-"""mini-infer's native CPU kernels (OpenMP): matmuls for AVX2 + FMA, AVX-512F and AVX512_BF16, paged decode attention;
-and the shared-memory all-reduce of tensor-parallel ranks on one machine.
+"""mini-infer's native CPU kernels (OpenMP): matmuls for AVX2 + FMA, AVX-512F, AVX512_BF16 and AMX, paged decode
+attention; and the shared-memory all-reduce of tensor-parallel ranks on one machine.
 
 torch's CPU matmul in bfloat16 is only fast where the CPU has native bf16 instructions (AVX512-BF16, AMX);
 elsewhere it runs near 18 GFLOP/s. The AVX2 and AVX-512F kernels widen bf16 to float32 in registers instead, so
 they read each weight byte once and compute at the float32 FMA rate; the AVX512_BF16 one multiplies bf16 pairs
-with `vdpbf16ps`. kernels/autotune.py times them against torch's per weight shape and batch size, and the model
-runs the fastest.
+with `vdpbf16ps`, the AMX one 16 x 32 by 32 x 16 tiles of them per instruction (Intel Xeons from Sapphire Rapids
+on, which Linux lets a process use once it asks). kernels/autotune.py times them against torch's per weight shape and
+batch size, and the model runs the fastest.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import math
 from dataclasses import dataclass
@@ -38,6 +40,7 @@ class _Kernel:
     restype: type | None
     flags: list[str]
     needs: tuple[str, ...]  # /proc/cpuinfo flags the build's instructions need
+    enable: str | None = None  # a function of the library that must return 0 (the OS's permission) before it runs
 
 
 _KERNELS = {
@@ -49,6 +52,10 @@ _KERNELS = {
     "gemm_avx512bf16": _Kernel("cpu_gemm_avx512.cpp", "gemm_avx512bf16", [_P, _P, _P, _I, _P] + [_I] * 6, None,
                                [*_AVX512, "-mavx512bf16", "-DGEMM_BF16=1"],
                                ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16")),
+    "gemm_amx": _Kernel("cpu_gemm_amx.cpp", "gemm_amx", [_P, _P, _P, _I, _P] + [_I] * 5, None,
+                        [*_AVX512, "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
+                        ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"),
+                        enable="amx_enable"),
     "paged_decode_attention": _Kernel("cpu_attention.cpp", "paged_decode_attention",
                                       [_P] * 6 + [_I] * 8 + [ctypes.c_int64, _F, _I], _I, _AVX2, ("avx2", "fma")),
     # kernels/fused.py: a decoder layer's elementwise steps, one library.
@@ -74,7 +81,7 @@ _BASE = ("gemm", "paged_decode_attention", "add_rms_norm", "silu_mul", "rope_kv_
 @dataclass(frozen=True, slots=True)
 class MatmulPath:
     kernels: dict[torch.dtype, tuple[str, str]]  # weight dtype -> (the layout the path reads, its kernel)
-    prefetch: int | None  # the AVX-512 kernels' weight prefetch: NEAR or FAR (cpu_gemm_avx512.cpp); avx2 has none
+    prefetch: int | None  # the AVX-512 kernels' weight prefetch: NEAR or FAR (cpu_gemm_avx512.cpp); avx2, amx: none
 
 
 NEAR, FAR = 0, 1
@@ -92,6 +99,7 @@ MATMUL_PATHS = {
     "avx512/far": MatmulPath(_AVX512, FAR),
     "avx512_bf16": MatmulPath(_AVX512_BF16, NEAR),
     "avx512_bf16/far": MatmulPath(_AVX512_BF16, FAR),
+    "amx_bf16": MatmulPath({torch.bfloat16: ("pairs", "gemm_amx")}, None),
 }
 
 
@@ -119,7 +127,13 @@ def native_function(name: str):
     if missing:
         raise KernelUnavailable(f"the CPU lacks {', '.join(missing)} (needed by {kernel.function})")
     here = Path(__file__).parent
-    library = build_library(here / kernel.source, kernel.flags, headers=(here / "bf16.h", here / "exp8.h"))
+    library = build_library(here / kernel.source, kernel.flags,
+                            headers=(here / "bf16.h", here / "exp8.h", here / "avx512.h"))
+    if kernel.enable is not None:
+        refused = getattr(library, kernel.enable)()
+        if refused:
+            raise KernelUnavailable(f"the OS refused {kernel.function} its registers ({kernel.enable}: "
+                                    f"{errno.errorcode.get(refused, refused)})")
     function = getattr(library, kernel.function)
     function.argtypes, function.restype = kernel.argtypes, kernel.restype
     return function
@@ -128,7 +142,8 @@ def native_function(name: str):
 def gemm_source() -> str:
     """The matmul kernels' sources (a changed kernel re-times the autotuner's choices)."""
     here = Path(__file__).parent
-    return "".join((here / name).read_text() for name in ("cpu_gemm.cpp", "cpu_gemm_avx512.cpp", "bf16.h"))
+    return "".join((here / name).read_text()
+                   for name in ("cpu_gemm.cpp", "cpu_gemm_avx512.cpp", "cpu_gemm_amx.cpp", "avx512.h", "bf16.h"))
 
 
 def unavailable_reason() -> str | None:
@@ -194,9 +209,9 @@ def pack_weight(weight: torch.Tensor, layout: str = "panels") -> PackedWeight:
 
 
 # How each matmul kernel takes its arguments (cpu_gemm*.cpp; cpu_decoder.cpp calls them by these kinds too):
-# AVX2 reads a weight of either dtype; the AVX-512 ones take a prefetch; AVX512_BF16's x is bfloat16 only.
-GEMM_KINDS = {"gemm": 0, "gemm_avx512": 1, "gemm_avx512_pairs": 1, "gemm_avx512bf16": 2}
-_AVX2_KIND, _BF16_KIND = 0, 2
+# AVX2 reads a weight of either dtype; the AVX-512 ones take a prefetch; AVX512_BF16's and AMX's x is bfloat16 only.
+GEMM_KINDS = {"gemm": 0, "gemm_avx512": 1, "gemm_avx512_pairs": 1, "gemm_avx512bf16": 2, "gemm_amx": 3}
+_AVX2_KIND, _BF16_KIND, _AMX_KIND = 0, 2, 3
 
 
 def matmul_kernel(x_dtype: torch.dtype, weight: PackedWeight, path: str) -> str:
@@ -204,7 +219,7 @@ def matmul_kernel(x_dtype: torch.dtype, weight: PackedWeight, path: str) -> str:
     spec = MATMUL_PATHS.get(path)
     layout, kernel = spec.kernels.get(weight.dtype, ("", "")) if spec is not None else ("", "")
     if (x_dtype not in DTYPES or layout != weight.layout
-            or (GEMM_KINDS.get(kernel) == _BF16_KIND and x_dtype != torch.bfloat16)):
+            or (GEMM_KINDS.get(kernel) in (_BF16_KIND, _AMX_KIND) and x_dtype != torch.bfloat16)):
         raise ValueError(f"cpu linear: x of {x_dtype} on path {path!r} does not match a {weight.layout} {weight.dtype} "
                          f"weight of {weight.out_features} x {weight.in_features}")
     return kernel
@@ -223,8 +238,9 @@ def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = No
     out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)
     bias_args = (bias.contiguous().data_ptr(), DTYPE_CODES[bias.dtype]) if bias is not None else (None, 0)
     sizes = (x.shape[0], weight.out_features, x.shape[1])
-    prefetch = () if kind == _AVX2_KIND else (MATMUL_PATHS[path].prefetch,)
-    x_args = (x.data_ptr(),) if kind == _BF16_KIND else (x.data_ptr(), DTYPE_CODES[x.dtype])  # bf16 x only there
+    prefetch = () if kind in (_AVX2_KIND, _AMX_KIND) else (MATMUL_PATHS[path].prefetch,)
+    bf16_x = kind in (_BF16_KIND, _AMX_KIND)
+    x_args = (x.data_ptr(),) if bf16_x else (x.data_ptr(), DTYPE_CODES[x.dtype])  # bf16 x only there
     w_args = (weight.data.data_ptr(), DTYPE_CODES[weight.dtype]) if kind == _AVX2_KIND else (weight.data.data_ptr(),)
     native_function(kernel)(*x_args, *w_args, *bias_args, out.data_ptr(), DTYPE_CODES[x.dtype], *sizes, *prefetch,
                             torch.get_num_threads())

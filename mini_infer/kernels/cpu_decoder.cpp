@@ -12,12 +12,13 @@
 namespace {
 
 enum DType : int { F32 = 0, BF16 = 1 };
-// How a matmul kernel takes its arguments (kernels/cpu.py's three kinds of gemm).
-enum GemmKind : int { AVX2 = 0, AVX512 = 1, AVX512_BF16 = 2 };
+// How a matmul kernel takes its arguments (kernels/cpu.py's four kinds of gemm).
+enum GemmKind : int { AVX2 = 0, AVX512 = 1, AVX512_BF16 = 2, AMX = 3 };
 
 using Avx2Gemm = void (*)(const void*, int, const void*, int, const void*, int, void*, int, int, int, int, int);
 using Avx512Gemm = void (*)(const void*, int, const void*, const void*, int, void*, int, int, int, int, int, int);
 using Bf16Gemm = void (*)(const void*, const void*, const void*, int, void*, int, int, int, int, int, int);
+using AmxGemm = void (*)(const void*, const void*, const void*, int, void*, int, int, int, int, int);
 using NormFn = void (*)(const void*, const void*, const void*, void*, void*, int, int, int, float, int, int);
 using RopeFn = int (*)(const void*, const int64_t*, const void*, const void*, void*, void*, void*, const int64_t*,
                        int, int, int, int, int, int64_t, int64_t, int);
@@ -71,8 +72,11 @@ void matmul(const Matmul& m, const void* x, const void* bias, int dtype, void* o
             reinterpret_cast<Avx512Gemm>(m.kernel)(x, dtype, m.weight, bias, dtype, out, dtype, M, N, K, m.prefetch,
                                                     threads);
             break;
-        default:
+        case AVX512_BF16:
             reinterpret_cast<Bf16Gemm>(m.kernel)(x, m.weight, bias, dtype, out, dtype, M, N, K, m.prefetch, threads);
+            break;
+        default:
+            reinterpret_cast<AmxGemm>(m.kernel)(x, m.weight, bias, dtype, out, dtype, M, N, K, threads);
             break;
     }
 }

@@ -12,7 +12,7 @@
 
 #include <vector>
 
-#include "bf16.h"
+#include "avx512.h"
 
 namespace {
 
@@ -30,7 +30,9 @@ inline void prefetch(const void* p, int64_t step_bytes) {
     if constexpr (PF == NEAR) _mm_prefetch(static_cast<const char*>(p) + 64 * step_bytes, _MM_HINT_T0);
     else _mm_prefetch(static_cast<const char*>(p) + 512 * step_bytes, _MM_HINT_T1);
 }
-enum DType : int { F32 = 0, BF16 = 1 };
+using gemm512::BF16;
+using gemm512::bias_f32;
+using gemm512::to_bf16;
 constexpr int64_t kNextGroupBytes = 256 * 1024;  // the largest panel group whose successor is prefetched (tile())
 
 struct F32Panels {
@@ -90,16 +92,6 @@ struct Problem {
     void* out;
     int out_dtype, M, N, steps;  // steps: K / KSTEP
 };
-
-// 16 float32 lanes as bf16, rounded to nearest even with NaN kept NaN (bf16.h's rule, vectorised).
-inline __m256i to_bf16(__m512 v) {
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    rounded = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
-    return _mm512_cvtepi32_epi16(rounded);
-}
 
 inline void store(const Problem& p, int m, int n0, __m512 acc) {
     const int count = p.N - n0 < PANEL ? p.N - n0 : PANEL;
@@ -223,10 +215,6 @@ void run(const Problem& p, const typename L::W* w, int prefetch, int threads) {
     else run_prefetching<L, NEAR>(p, w, threads);
 }
 
-inline float load_scalar(const void* data, int dtype, int64_t i) {
-    return dtype == BF16 ? bf16_to_f32(static_cast<const uint16_t*>(data)[i]) : static_cast<const float*>(data)[i];
-}
-
 // x [M, K] (float32 or bfloat16) as float32 rows of ld >= K values, the padding zero: 16 at a time, rows split
 // over the threads when there are enough of them.
 std::vector<float> widen_rows(const void* x, int x_dtype, int M, int K, int ld, int threads) {
@@ -247,12 +235,6 @@ std::vector<float> widen_rows(const void* x, int x_dtype, int M, int K, int ld, 
             _mm512_mask_storeu_ps(dst + k, mask, v);
         }
     }
-    return out;
-}
-
-std::vector<float> bias_f32(const void* bias, int bias_dtype, int N) {
-    std::vector<float> out(bias ? N : 0);
-    for (int n = 0; n < static_cast<int>(out.size()); ++n) out[n] = load_scalar(bias, bias_dtype, n);
     return out;
 }
 

@@ -1,0 +1,199 @@
+// out[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) on Intel AMX (TDPBF16PS): bf16 x, bf16 w in the pairs layout that
+// the AVX512_BF16 kernel reads (cpu_gemm_avx512.cpp; one copy serves both), float32 sums.
+//
+// A tile register holds 16 rows of 64 bytes. One TDPBF16PS multiplies a 16 x 32 bf16 tile of x (16 rows, 16 k
+// pairs) by a 32 x 16 tile of w and adds to a 16 x 16 float32 tile: a 16-column panel of the pairs layout,
+// [K / 2, 16, 2], is already a column of such w tiles, 1 KB each, rows 64 bytes apart. Per tile product the unit
+// does 8192 multiply-adds, 8x a `vdpbf16ps` per cycle on 512-bit vectors, so decode rows that leave AVX-512
+// compute-bound at 8-64 rows are bound by the weights' memory stream instead.
+//
+// Tiles: x rows in blocks of 32 (two x tiles) or 16 (one), against groups of 2 or 3 panels, accumulators in the
+// other tiles (2 x 2 or 1 x 3). Rows past M read zeros (the last block is copied, zero-padded); k pairs past the
+// last full tile of 16 (K not a multiple of 32) are added with `vdpbf16ps` after the tiles. Threads split the
+// panels evenly. Each thread loads the tile configuration (8 tiles of 16 x 64 bytes) on entry and releases it.
+#include <errno.h>
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <utility>
+#include <vector>
+
+#include "avx512.h"
+
+namespace {
+
+using gemm512::BF16;
+
+constexpr int PANEL = 16;       // output columns per panel
+constexpr int TILE_PAIRS = 16;  // k pairs per tile (32 k)
+constexpr int TILE_ROWS = 16;
+constexpr int64_t TILE_BYTES = 1024;
+
+// The tile instructions by register number (GCC's intrinsics paste the number into the asm text, so they take
+// literals only; a template argument goes through an "i" operand instead).
+template <int T>
+inline void tile_zero() { asm volatile("tilezero %%tmm%c0" ::"i"(T)); }
+template <int T>
+inline void tile_load(const void* base, int64_t stride) {
+    asm volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(base), "r"(stride), "i"(T) : "memory");
+}
+template <int T>
+inline void tile_store(void* base, int64_t stride) {
+    asm volatile("tilestored %%tmm%c2, (%0,%1,1)" ::"r"(base), "r"(stride), "i"(T) : "memory");
+}
+template <int C, int A, int B>  // C += A (x rows) . B (w pairs)
+inline void tile_dp() { asm volatile("tdpbf16ps %%tmm%c0, %%tmm%c1, %%tmm%c2" ::"i"(B), "i"(A), "i"(C)); }
+
+template <typename F, int... I>
+inline void unroll_seq(F&& f, std::integer_sequence<int, I...>) { (f(std::integral_constant<int, I>{}), ...); }
+template <int N, typename F>
+inline void unroll(F&& f) { unroll_seq(f, std::make_integer_sequence<int, N>{}); }
+
+struct alignas(64) TileConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+void configure_tiles() {
+    TileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = TILE_ROWS;
+    _tile_loadconfig(&config);
+}
+
+struct Problem {
+    const uint16_t* x;  // [M, ldx] bf16
+    int64_t ldx;
+    const float* bias;  // [N] or null
+    void* out;
+    int out_dtype, M, N, pairs;  // pairs: K / 2 (K even; the weight's panels hold `pairs` rows of 16 x 2)
+};
+
+// x rows [m0, m0 + 16 * NA) for the tiles: in place, or copied zero-padded where they run past M.
+struct RowBlock {
+    const uint16_t* x;
+    int64_t stride_bytes;
+};
+
+// NA x-row tiles against NP panels from `panel0`: the full k tiles with AMX, stored as float32 [NA][NP][16][16],
+// then the k pairs past them with vdpbf16ps, the bias, and the rows below M written out.
+template <int NA, int NP>
+void block(const Problem& p, const uint16_t* w, int panel0, int m0, RowBlock rows, float* scratch) {
+    constexpr int A0 = NA * NP, B0 = A0 + NA;  // tiles: accumulators 0.., then x, then w
+    static_assert(B0 + NP <= 8, "eight tile registers");
+    const int ktiles = p.pairs / TILE_PAIRS;
+    const int64_t panel_elems = static_cast<int64_t>(p.pairs) * PANEL * 2;
+    const uint16_t* panel = w + panel0 * panel_elems;
+    unroll<NA * NP>([&](auto c) { tile_zero<decltype(c)::value>(); });
+    for (int kt = 0; kt < ktiles; ++kt) {
+        unroll<NA>([&](auto i) {
+            tile_load<A0 + decltype(i)::value>(rows.x + i * TILE_ROWS * (rows.stride_bytes / 2) + kt * 2 * TILE_PAIRS,
+                                              rows.stride_bytes);
+        });
+        unroll<NP>([&](auto j) {
+            tile_load<B0 + decltype(j)::value>(panel + j * panel_elems + kt * (TILE_BYTES / 2), 64);
+        });
+        unroll<NA>([&](auto i) {
+            unroll<NP>([&](auto j) {
+                constexpr int I = decltype(i)::value, J = decltype(j)::value;
+                tile_dp<I * NP + J, A0 + I, B0 + J>();
+            });
+        });
+    }
+    unroll<NA * NP>([&](auto c) { tile_store<decltype(c)::value>(scratch + c * 256, 64); });
+    const int rows_here = p.M - m0 < NA * TILE_ROWS ? p.M - m0 : NA * TILE_ROWS;
+    for (int r = 0; r < rows_here; ++r) {
+        const uint16_t* xr = p.x + (m0 + r) * p.ldx;
+        for (int j = 0; j < NP; ++j) {
+            __m512 acc = _mm512_loadu_ps(scratch + ((r / TILE_ROWS) * NP + j) * 256 + (r % TILE_ROWS) * 16);
+            for (int s = ktiles * TILE_PAIRS; s < p.pairs; ++s) {
+                int32_t pair;
+                memcpy(&pair, xr + 2 * s, sizeof pair);
+                const __m512 wv = _mm512_castsi512_ps(_mm512_loadu_si512(panel + j * panel_elems + s * 32));
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(pair), (__m512bh)wv);
+            }
+            const int n0 = (panel0 + j) * PANEL;
+            const int count = p.N - n0 < PANEL ? p.N - n0 : PANEL;
+            const __mmask16 mask = count == PANEL ? 0xffff : static_cast<__mmask16>((1u << count) - 1);
+            if (p.bias) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(mask, p.bias + n0));
+            const int64_t at = static_cast<int64_t>(m0 + r) * p.N + n0;
+            if (p.out_dtype == BF16)
+                _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p.out) + at, mask, gemm512::to_bf16(acc));
+            else _mm512_mask_storeu_ps(static_cast<float*>(p.out) + at, mask, acc);
+        }
+    }
+}
+
+// The rows of x from m0 as tile rows: in place where 16 * NA of them exist, else copied into `pad`, zero-padded.
+template <int NA>
+RowBlock rows_from(const Problem& p, int m0, std::vector<uint16_t>& pad) {
+    if (m0 + NA * TILE_ROWS <= p.M) return {p.x + m0 * p.ldx, p.ldx * 2};
+    pad.assign(static_cast<size_t>(NA) * TILE_ROWS * p.ldx, 0);
+    memcpy(pad.data(), p.x + m0 * p.ldx, static_cast<size_t>(p.M - m0) * p.ldx * 2);
+    return {pad.data(), p.ldx * 2};
+}
+
+// NP panels from panel0, every row: blocks of 32 rows (16 where no more than 16 remain).
+template <int NP>
+void panel_group(const Problem& p, const uint16_t* w, int panel0, std::vector<uint16_t>& pad, float* scratch) {
+    int m = 0;
+    if constexpr (NP <= 2)  // (groups of 3 run M <= 16 only)
+        for (; p.M - m > TILE_ROWS; m += 2 * TILE_ROWS) block<2, NP>(p, w, panel0, m, rows_from<2>(p, m, pad), scratch);
+    if (m < p.M) block<1, NP>(p, w, panel0, m, rows_from<1>(p, m, pad), scratch);
+}
+
+// One row tile (M <= 16) leaves room for 3 panels per group; more rows take 2 x 2 tiles, each weight tile loaded
+// once per 32 rows.
+template <int NP>
+void run_groups(const Problem& p, const uint16_t* w, int threads) {
+    const int panels = (p.N + PANEL - 1) / PANEL;
+#pragma omp parallel num_threads(threads)
+    {
+        const int workers = omp_get_num_threads(), id = omp_get_thread_num();
+        const int begin = static_cast<int>(static_cast<int64_t>(panels) * id / workers);
+        const int end = static_cast<int>(static_cast<int64_t>(panels) * (id + 1) / workers);
+        if (begin < end) {
+            configure_tiles();
+            std::vector<uint16_t> pad;
+            alignas(64) float scratch[4 * 256];
+            int q = begin;
+            for (; q + NP <= end; q += NP) panel_group<NP>(p, w, q, pad, scratch);
+            if (NP == 3 && end - q == 2) panel_group<2>(p, w, q, pad, scratch);
+            else if (q < end) panel_group<1>(p, w, q, pad, scratch);
+            _tile_release();
+        }
+    }
+}
+
+}  // namespace
+
+// The process's permission to use the AMX tile data (Linux grants it on request, once): 0 when granted, else the
+// errno of the refusal.
+extern "C" int amx_enable() {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : errno;
+}
+
+// x bfloat16 [M, K]; w packed pairs (K rounded up to even: an odd K's last pair reads a zero x beside it). No
+// software prefetch: 4-32 tiles ahead into L1 or L2 moved nothing measurable at 1-64 rows from memory on a
+// Sapphire-Rapids-class Xeon (the hardware prefetcher follows the panels' sequential streams).
+extern "C" void gemm_amx(const uint16_t* x, const uint16_t* w, const void* bias, int bias_dtype, void* out,
+                         int out_dtype, int M, int N, int K, int threads) {
+    std::vector<uint16_t> padded;
+    const int K2 = (K + 1) / 2 * 2;
+    if (K2 != K) {
+        padded.assign(static_cast<size_t>(M) * K2, 0);
+        for (int m = 0; m < M; ++m) memcpy(&padded[static_cast<size_t>(m) * K2], x + static_cast<int64_t>(m) * K, K * 2);
+        x = padded.data();
+    }
+    const std::vector<float> b = gemm512::bias_f32(bias, bias_dtype, N);
+    const Problem p{x, K2, bias ? b.data() : nullptr, out, out_dtype, M, N, K2 / 2};
+    if (M <= TILE_ROWS) run_groups<3>(p, w, threads);
+    else run_groups<2>(p, w, threads);
+}
