@@ -8,7 +8,7 @@
 // compute-bound at 8-64 rows are bound by the weights' memory stream instead.
 //
 // Tiles: x rows in blocks of 32 (two x tiles) or 16 (one), against groups of 2 or 3 panels, accumulators in the
-// other tiles (2 x 2 or 1 x 3). Rows past M read zeros (the last block is copied, zero-padded); k pairs past the
+// other tiles (2 x 2 or 1 x 3). Rows past M read zeros (x is copied, zero-padded, once per call); k pairs past the
 // last full tile of 16 (K not a multiple of 32) are added with `vdpbf16ps` after the tiles. Threads split the
 // panels evenly. Each thread loads the tile configuration (8 tiles of 16 x 64 bytes) on entry and releases it.
 #include <errno.h>
@@ -68,23 +68,17 @@ void configure_tiles() {
 }
 
 struct Problem {
-    const uint16_t* x;  // [M, ldx] bf16
+    const uint16_t* x;  // [M rounded up to 16, ldx] bf16, the rows past M zero
     int64_t ldx;
     const float* bias;  // [N] or null
     void* out;
     int out_dtype, M, N, pairs;  // pairs: K / 2 (K even; the weight's panels hold `pairs` rows of 16 x 2)
 };
 
-// x rows [m0, m0 + 16 * NA) for the tiles: in place, or copied zero-padded where they run past M.
-struct RowBlock {
-    const uint16_t* x;
-    int64_t stride_bytes;
-};
-
 // NA x-row tiles against NP panels from `panel0`: the full k tiles with AMX, stored as float32 [NA][NP][16][16],
 // then the k pairs past them with vdpbf16ps, the bias, and the rows below M written out.
 template <int NA, int NP>
-void block(const Problem& p, const uint16_t* w, int panel0, int m0, RowBlock rows, float* scratch) {
+void block(const Problem& p, const uint16_t* w, int panel0, int m0, float* scratch) {
     constexpr int A0 = NA * NP, B0 = A0 + NA;  // tiles: accumulators 0.., then x, then w
     static_assert(B0 + NP <= 8, "eight tile registers");
     const int ktiles = p.pairs / TILE_PAIRS;
@@ -93,8 +87,7 @@ void block(const Problem& p, const uint16_t* w, int panel0, int m0, RowBlock row
     unroll<NA * NP>([&](auto c) { tile_zero<decltype(c)::value>(); });
     for (int kt = 0; kt < ktiles; ++kt) {
         unroll<NA>([&](auto i) {
-            tile_load<A0 + decltype(i)::value>(rows.x + i * TILE_ROWS * (rows.stride_bytes / 2) + kt * 2 * TILE_PAIRS,
-                                              rows.stride_bytes);
+            tile_load<A0 + decltype(i)::value>(p.x + (m0 + i * TILE_ROWS) * p.ldx + kt * 2 * TILE_PAIRS, p.ldx * 2);
         });
         unroll<NP>([&](auto j) {
             tile_load<B0 + decltype(j)::value>(panel + j * panel_elems + kt * (TILE_BYTES / 2), 64);
@@ -130,22 +123,13 @@ void block(const Problem& p, const uint16_t* w, int panel0, int m0, RowBlock row
     }
 }
 
-// The rows of x from m0 as tile rows: in place where 16 * NA of them exist, else copied into `pad`, zero-padded.
-template <int NA>
-RowBlock rows_from(const Problem& p, int m0, std::vector<uint16_t>& pad) {
-    if (m0 + NA * TILE_ROWS <= p.M) return {p.x + m0 * p.ldx, p.ldx * 2};
-    pad.assign(static_cast<size_t>(NA) * TILE_ROWS * p.ldx, 0);
-    memcpy(pad.data(), p.x + m0 * p.ldx, static_cast<size_t>(p.M - m0) * p.ldx * 2);
-    return {pad.data(), p.ldx * 2};
-}
-
 // NP panels from panel0, every row: blocks of 32 rows (16 where no more than 16 remain).
 template <int NP>
-void panel_group(const Problem& p, const uint16_t* w, int panel0, std::vector<uint16_t>& pad, float* scratch) {
+void panel_group(const Problem& p, const uint16_t* w, int panel0, float* scratch) {
     int m = 0;
     if constexpr (NP <= 2)  // (groups of 3 run M <= 16 only)
-        for (; p.M - m > TILE_ROWS; m += 2 * TILE_ROWS) block<2, NP>(p, w, panel0, m, rows_from<2>(p, m, pad), scratch);
-    if (m < p.M) block<1, NP>(p, w, panel0, m, rows_from<1>(p, m, pad), scratch);
+        for (; p.M - m > TILE_ROWS; m += 2 * TILE_ROWS) block<2, NP>(p, w, panel0, m, scratch);
+    if (m < p.M) block<1, NP>(p, w, panel0, m, scratch);
 }
 
 // One row tile (M <= 16) leaves room for 3 panels per group; more rows take 2 x 2 tiles, each weight tile loaded
@@ -160,12 +144,11 @@ void run_groups(const Problem& p, const uint16_t* w, int threads) {
         const int end = static_cast<int>(static_cast<int64_t>(panels) * (id + 1) / workers);
         if (begin < end) {
             configure_tiles();
-            std::vector<uint16_t> pad;
             alignas(64) float scratch[4 * 256];
             int q = begin;
-            for (; q + NP <= end; q += NP) panel_group<NP>(p, w, q, pad, scratch);
-            if (NP == 3 && end - q == 2) panel_group<2>(p, w, q, pad, scratch);
-            else if (q < end) panel_group<1>(p, w, q, pad, scratch);
+            for (; q + NP <= end; q += NP) panel_group<NP>(p, w, q, scratch);
+            if (NP == 3 && end - q == 2) panel_group<2>(p, w, q, scratch);
+            else if (q < end) panel_group<1>(p, w, q, scratch);
             _tile_release();
         }
     }
@@ -180,15 +163,16 @@ extern "C" int amx_enable() {
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : errno;
 }
 
-// x bfloat16 [M, K]; w packed pairs (K rounded up to even: an odd K's last pair reads a zero x beside it). No
+// x bfloat16 [M, K], copied zero-padded where M is not a multiple of 16 or K is odd; w packed pairs (K rounded up
+// to even: an odd K's last pair reads a zero x beside it). No
 // software prefetch: 4-32 tiles ahead into L1 or L2 moved nothing measurable at 1-64 rows from memory on a
 // Sapphire-Rapids-class Xeon (the hardware prefetcher follows the panels' sequential streams).
 extern "C" void gemm_amx(const uint16_t* x, const uint16_t* w, const void* bias, int bias_dtype, void* out,
                          int out_dtype, int M, int N, int K, int threads) {
     std::vector<uint16_t> padded;
-    const int K2 = (K + 1) / 2 * 2;
-    if (K2 != K) {
-        padded.assign(static_cast<size_t>(M) * K2, 0);
+    const int K2 = (K + 1) / 2 * 2, rows = (M + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
+    if (K2 != K || rows != M) {
+        padded.assign(static_cast<size_t>(rows) * K2, 0);
         for (int m = 0; m < M; ++m) memcpy(&padded[static_cast<size_t>(m) * K2], x + static_cast<int64_t>(m) * K, K * 2);
         x = padded.data();
     }
