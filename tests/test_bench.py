@@ -250,6 +250,23 @@ class _FakeSystem:
         self.calls.append((self.name, "closed"))
 
 
+def test_wait_for_idle_waits_until_other_processes_stop():
+    from mini_infer.bench.systems import IDLE_SHARE, SETTLE_INTERVAL_S, SETTLE_MAX_S, cpu_busy_share, wait_for_idle
+
+    # /proc/stat's first line (user nice system idle iowait irq softirq steal): 50 % busy, then idle apart from
+    # steal (another VM's time, not this machine's processes)
+    lines = iter(["cpu 0 0 0 0 0 0 0 0", "cpu 50 0 0 50 0 0 0 0", "cpu 100 0 0 100 0 0 0 0",
+                  "cpu 101 0 0 199 0 0 0 100"])
+    probe = cpu_busy_share(lambda: next(lines))
+    slept, logged = [], []
+    assert wait_for_idle(logged.append, probe, slept.append) == pytest.approx(3 * SETTLE_INTERVAL_S)
+    assert len(slept) == 3 and logged == []
+    # busy throughout: gives up after SETTLE_MAX_S and says so
+    slept.clear()
+    assert wait_for_idle(logged.append, lambda: IDLE_SHARE, slept.append) == pytest.approx(SETTLE_MAX_S)
+    assert len(slept) == round(SETTLE_MAX_S / SETTLE_INTERVAL_S) and "stayed over 10% busy" in logged[0]
+
+
 def test_run_systems_interleaves_every_rep_and_drops_a_failing_optional_system():
     calls = []
     systems = {"mini-infer": _FakeSystem("mini-infer", calls),
@@ -260,7 +277,11 @@ def test_run_systems_interleaves_every_rep_and_drops_a_failing_optional_system()
             return systems[name]
 
     cases = [Case("B=1", [[1]], [2], [[1]], [1]), Case("B=2", [[1], [2]], [2, 2], [[1]], [1])]
-    records = run_systems(Factory(), ["mini-infer", "llama.cpp"], cases, 2, lambda _: None)
+    settled = []
+    records = run_systems(Factory(), ["mini-infer", "llama.cpp"], cases, 2, lambda _: None,
+                          settle=lambda: settled.append(len(calls)))
+    # every run waits for the machine to settle first, after the calls before it
+    assert settled == [0, 1, 2, 3, 4, 5, 6, 7, 8]
     assert calls == [("mini-infer", 1), ("llama.cpp", 1),  # warm-ups of B=1
                      ("mini-infer", 1), ("llama.cpp", 1),  # rep 1, each system in turn
                      ("mini-infer", 1), ("llama.cpp", "closed"),  # rep 2: llama.cpp fails and is closed

