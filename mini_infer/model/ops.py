@@ -2,10 +2,10 @@
 
 `cpu_kernels="auto"` takes the native kernels on the CPU for bfloat16 and float32 models, and for each linear
 weight shape and batch-size bucket the fastest of the native matmul paths this CPU runs (AVX2, AVX-512F,
-AVX512_BF16, AMX) and torch's (kernels/autotune.py): a weight is kept in the forms its winners read (packed panels,
-bf16 pairs, as it is for torch; a tied LM head's packed copies are its own). `on` runs the best native path
-everywhere (AMX for bf16, then AVX512_BF16, then AVX-512F, then AVX2). If the kernels cannot be built, `auto` says so once
-and runs torch ops; `on` raises instead; `off` always runs torch ops.
+AVX512_BF16, AMX) and torch's (kernels/autotune.py): a weight is kept in the forms its winners read (packed
+panels, bf16 pairs, as it is for torch; a tied LM head's packed copies are its own). `on` runs the best native
+path everywhere (AMX for bf16, then AVX512_BF16, then AVX-512F, then AVX2). If the kernels cannot be built,
+`auto` says so once and runs torch ops; `on` raises instead; `off` always runs torch ops.
 """
 
 from __future__ import annotations
