@@ -3,9 +3,9 @@
 //
 // A tile register holds 16 rows of 64 bytes. One TDPBF16PS multiplies a 16 x 32 bf16 tile of x (16 rows, 16 k
 // pairs) by a 32 x 16 tile of w and adds to a 16 x 16 float32 tile: a 16-column panel of the pairs layout,
-// [K / 2, 16, 2], is already a column of such w tiles, 1 KB each, rows 64 bytes apart. Per tile product the unit
-// does 8192 multiply-adds, 8x a `vdpbf16ps` per cycle on 512-bit vectors, so decode rows that leave AVX-512
-// compute-bound at 8-64 rows are bound by the weights' memory stream instead.
+// [K / 2, 16, 2], is already a column of such w tiles, 1 KB each, rows 64 bytes apart. One instruction does 8192
+// multiply-adds (a 512-bit `vdpbf16ps` does 32), so the 8-64 rows of a decode step, compute-bound on AVX-512, are
+// bound by the weights' memory stream instead (up to ~64 rows on a Sapphire-Rapids-class Xeon).
 //
 // Tiles: x rows in blocks of 32 (two x tiles) or 16 (one), against groups of 2 or 3 panels, accumulators in the
 // other tiles (2 x 2 or 1 x 3). Rows past M read zeros (x is copied, zero-padded, once per call); k pairs past the
