@@ -212,6 +212,7 @@ def pack_weight(weight: torch.Tensor, layout: str = "panels") -> PackedWeight:
 # AVX2 reads a weight of either dtype; the AVX-512 ones take a prefetch; AVX512_BF16's and AMX's x is bfloat16 only.
 GEMM_KINDS = {"gemm": 0, "gemm_avx512": 1, "gemm_avx512_pairs": 1, "gemm_avx512bf16": 2, "gemm_amx": 3}
 _AVX2_KIND, _BF16_KIND, _AMX_KIND = 0, 2, 3
+_BF16_X_KINDS = (_BF16_KIND, _AMX_KIND)  # the kernels that take bfloat16 x only
 
 
 def matmul_kernel(x_dtype: torch.dtype, weight: PackedWeight, path: str) -> str:
@@ -219,7 +220,7 @@ def matmul_kernel(x_dtype: torch.dtype, weight: PackedWeight, path: str) -> str:
     spec = MATMUL_PATHS.get(path)
     layout, kernel = spec.kernels.get(weight.dtype, ("", "")) if spec is not None else ("", "")
     if (x_dtype not in DTYPES or layout != weight.layout
-            or (GEMM_KINDS.get(kernel) in (_BF16_KIND, _AMX_KIND) and x_dtype != torch.bfloat16)):
+            or (GEMM_KINDS.get(kernel) in _BF16_X_KINDS and x_dtype != torch.bfloat16)):
         raise ValueError(f"cpu linear: x of {x_dtype} on path {path!r} does not match a {weight.layout} {weight.dtype} "
                          f"weight of {weight.out_features} x {weight.in_features}")
     return kernel
@@ -239,8 +240,7 @@ def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = No
     bias_args = (bias.contiguous().data_ptr(), DTYPE_CODES[bias.dtype]) if bias is not None else (None, 0)
     sizes = (x.shape[0], weight.out_features, x.shape[1])
     prefetch = () if kind in (_AVX2_KIND, _AMX_KIND) else (MATMUL_PATHS[path].prefetch,)
-    bf16_x = kind in (_BF16_KIND, _AMX_KIND)
-    x_args = (x.data_ptr(),) if bf16_x else (x.data_ptr(), DTYPE_CODES[x.dtype])  # bf16 x only there
+    x_args = (x.data_ptr(),) if kind in _BF16_X_KINDS else (x.data_ptr(), DTYPE_CODES[x.dtype])
     w_args = (weight.data.data_ptr(), DTYPE_CODES[weight.dtype]) if kind == _AVX2_KIND else (weight.data.data_ptr(),)
     native_function(kernel)(*x_args, *w_args, *bias_args, out.data_ptr(), DTYPE_CODES[x.dtype], *sizes, *prefetch,
                             torch.get_num_threads())

@@ -111,14 +111,7 @@ void block(const Problem& p, const uint16_t* w, int panel0, int m0, float* scrat
                 const __m512 wv = _mm512_castsi512_ps(_mm512_loadu_si512(panel + j * panel_elems + s * 32));
                 acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(pair), (__m512bh)wv);
             }
-            const int n0 = (panel0 + j) * PANEL;
-            const int count = p.N - n0 < PANEL ? p.N - n0 : PANEL;
-            const __mmask16 mask = count == PANEL ? 0xffff : static_cast<__mmask16>((1u << count) - 1);
-            if (p.bias) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(mask, p.bias + n0));
-            const int64_t at = static_cast<int64_t>(m0 + r) * p.N + n0;
-            if (p.out_dtype == BF16)
-                _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p.out) + at, mask, gemm512::to_bf16(acc));
-            else _mm512_mask_storeu_ps(static_cast<float*>(p.out) + at, mask, acc);
+            gemm512::store_columns(p.out, p.out_dtype, p.N, p.bias, m0 + r, (panel0 + j) * PANEL, acc);
         }
     }
 }
@@ -164,18 +157,14 @@ extern "C" int amx_enable() {
 }
 
 // x bfloat16 [M, K], copied zero-padded where M is not a multiple of 16 or K is odd; w packed pairs (K rounded up
-// to even: an odd K's last pair reads a zero x beside it). No
-// software prefetch: 4-32 tiles ahead into L1 or L2 moved nothing measurable at 1-64 rows from memory on a
-// Sapphire-Rapids-class Xeon (the hardware prefetcher follows the panels' sequential streams).
+// to even: an odd K's last pair reads a zero x beside it). No software prefetch: 4-32 tiles ahead into L1 or L2
+// moved nothing measurable at 1-64 rows from memory on a Sapphire-Rapids-class Xeon (the hardware prefetcher
+// follows the panels' sequential streams).
 extern "C" void gemm_amx(const uint16_t* x, const uint16_t* w, const void* bias, int bias_dtype, void* out,
                          int out_dtype, int M, int N, int K, int threads) {
     std::vector<uint16_t> padded;
-    const int K2 = (K + 1) / 2 * 2, rows = (M + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
-    if (K2 != K || rows != M) {
-        padded.assign(static_cast<size_t>(rows) * K2, 0);
-        for (int m = 0; m < M; ++m) memcpy(&padded[static_cast<size_t>(m) * K2], x + static_cast<int64_t>(m) * K, K * 2);
-        x = padded.data();
-    }
+    const int K2 = (K + 1) / 2 * 2;
+    x = gemm512::padded_rows(x, M, K, (M + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS, K2, padded);
     const std::vector<float> b = gemm512::bias_f32(bias, bias_dtype, N);
     const Problem p{x, K2, bias ? b.data() : nullptr, out, out_dtype, M, N, K2 / 2};
     if (M <= TILE_ROWS) run_groups<3>(p, w, threads);

@@ -94,12 +94,7 @@ struct Problem {
 };
 
 inline void store(const Problem& p, int m, int n0, __m512 acc) {
-    const int count = p.N - n0 < PANEL ? p.N - n0 : PANEL;
-    const __mmask16 mask = count == PANEL ? 0xffff : static_cast<__mmask16>((1u << count) - 1);
-    if (p.bias) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(mask, p.bias + n0));
-    const int64_t at = static_cast<int64_t>(m) * p.N + n0;
-    if (p.out_dtype == BF16) _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p.out) + at, mask, to_bf16(acc));
-    else _mm512_mask_storeu_ps(static_cast<float*>(p.out) + at, mask, acc);
+    gemm512::store_columns(p.out, p.out_dtype, p.N, p.bias, m, n0, acc);
 }
 
 // Rows beyond the first MR re-read the tile's panels from L2 (the first tile streamed them from memory). While
@@ -246,11 +241,7 @@ extern "C" void gemm_avx512bf16(const uint16_t* x, const uint16_t* w, const void
                                 int out_dtype, int M, int N, int K, int prefetch, int threads) {
     std::vector<uint16_t> padded;
     const int K2 = (K + 1) / 2 * 2;
-    if (K2 != K) {
-        padded.assign(static_cast<size_t>(M) * K2, 0);
-        for (int m = 0; m < M; ++m) memcpy(&padded[static_cast<size_t>(m) * K2], x + static_cast<int64_t>(m) * K, K * 2);
-        x = padded.data();
-    }
+    x = gemm512::padded_rows(x, M, K, M, K2, padded);
     const std::vector<float> b = bias_f32(bias, bias_dtype, N);
     const Problem p{x, K2, bias ? b.data() : nullptr, out, out_dtype, M, N, K2 / 2};
     run<BF16Pairs>(p, w, prefetch, threads);
