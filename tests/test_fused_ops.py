@@ -150,6 +150,72 @@ def test_argmax_refuses_what_it_cannot_read():
             fused.argmax(x)
 
 
+def reference_top_k(x, ks, edit_ids, edit_values):
+    """The edits written into a float32 copy (an id past the row dropped; of two at one id the lower), then a stable
+    descending sort (NaN first, equal values in index order), each row's first ks[r] kept and padded."""
+    rows, columns = x.shape
+    edited = x.float().clone()
+    for r in range(rows):
+        lowest: dict[int, float] = {}
+        for i, v in zip(edit_ids[r].tolist(), edit_values[r].tolist()):
+            lowest[i] = min(v, lowest.get(i, v))
+        for i, v in lowest.items():
+            if i < columns:
+                edited[r, i] = v
+    order = edited.sort(dim=-1, descending=True, stable=True).indices
+    k_max = int(ks.max())
+    values, ids = torch.full((rows, k_max), float("-inf")), torch.empty(rows, k_max, dtype=torch.int64)
+    for r in range(rows):
+        k = int(ks[r])
+        ids[r, :k] = order[r, :k]
+        ids[r, k:] = order[r, 0]
+        values[r, :k] = edited[r, order[r, :k]]
+    return values, ids
+
+
+# Ties (the lower index first), NaN (above +inf), -inf, rows sliced from wider ones, k from 1 to the whole row, edits
+# at duplicate ids (the lower value), past the row (padding), of -inf; lengths around the kernel's 8-value steps and a
+# real vocabulary with the model's top_k 20.
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,columns,k_max", [(1, 1, 1), (3, 7, 7), (4, 9, 3), (5, 33, 20), (6, 100, 64),
+                                                (32, 151936, 20)])
+@pytest.mark.parametrize("num_edits", [0, 5])
+def test_top_k_equals_a_stable_sort_of_the_edited_rows(dtype, rows, columns, k_max, num_edits):
+    gen = torch.Generator().manual_seed(rows * columns + num_edits)
+    x = random(rows, columns + 3, seed=columns, dtype=dtype)[:, :columns]
+    if rows > 1:
+        x[1, 0], x[1, -1] = float("inf"), float("nan")
+    if rows > 2:
+        x[2] = 0.5  # all equal: ids in order
+    if rows > 3:
+        x[3, : columns // 2] = float("-inf")
+    ks = torch.randint(1, k_max + 1, (rows,), generator=gen)
+    ks[0] = k_max
+    edit_ids = torch.randint(0, columns + 2, (rows, num_edits), generator=gen)
+    edit_values = torch.randn(rows, num_edits, generator=gen) * 3
+    if num_edits and columns > 1:
+        edit_ids[0, :2] = 1  # the same id twice: the lower value counts
+        edit_values[0, 0], edit_values[0, 1] = 2.0, -4.0
+        edit_values[-1, -1] = float("-inf")
+    values, ids = fused.top_k(x, ks, edit_ids, edit_values)
+    expected_values, expected_ids = reference_top_k(x, ks, edit_ids, edit_values)
+    torch.testing.assert_close(values, expected_values, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(ids, expected_ids)
+
+
+def test_top_k_refuses_what_it_cannot_read_and_writes_nothing():
+    x, none = torch.randn(2, 8), torch.zeros(2, 0, dtype=torch.int64)
+    for args, message in (((x.t(), torch.ones(8, dtype=torch.int64), none, none.float()), "each row contiguous"),
+                          ((x.double(), torch.ones(2, dtype=torch.int64), none, none.float()), "float64"),
+                          ((x, torch.ones(3, dtype=torch.int64), none, none.float()), "ks \\(3,\\) must be \\[R\\]"),
+                          ((x, torch.tensor([1, 0]), none, none.float()), "ks in \\[0, 1\\] must be in \\[1, 8\\]"),
+                          ((x, torch.tensor([9, 1]), none, none.float()), "ks in \\[1, 9\\] must be in \\[1, 8\\]"),
+                          ((x, torch.tensor([2, 2]), torch.tensor([[0], [-1]]), torch.zeros(2, 1)),
+                           "edit ids from -1 must be >= 0")):
+        with pytest.raises(ValueError, match=message):
+            fused.top_k(*args)
+
+
 def torch_rms_norm(x, weight, eps):
     norm = RMSNorm(weight.shape[0], eps, dtype=weight.dtype, device="cpu")
     norm.weight.data = weight

@@ -35,10 +35,13 @@ def make_request(params: SamplingParams, prompt=(0,), output=(), eos=(), seed: i
 
 
 class BatchSampler:
-    """A Sampler used as the runner uses it: each request takes a slot of its own the first time it is seen."""
+    """A Sampler used as the runner uses it: each request takes a slot of its own the first time it is seen. Its
+    top-k is the `backend` fixture's (None: the torch path)."""
+
+    top_k = None
 
     def __init__(self, vocab_size: int, device: torch.device, seed: int, argmax=None) -> None:
-        self.sampler = Sampler(vocab_size, device, seed, argmax)
+        self.sampler = Sampler(vocab_size, device, seed, argmax, type(self).top_k)
         self.rows: list[Row] = []
         self.slots: dict[int, int] = {}  # id(row) -> slot
 
@@ -61,6 +64,27 @@ class BatchSampler:
 
     def mask_stop_tokens_under_min(self, logits: torch.Tensor, requests: list[Row]) -> torch.Tensor:
         return self.sampler.mask_stop_tokens_under_min(logits, self._slots(requests))
+
+
+@pytest.fixture(params=["torch", "native"])
+def backend(request, monkeypatch):
+    """Runs a test on the sampler's torch path and on its native top-k path (the runner's with the native kernels),
+    which must then have run: float64 logits are handed to the kernel as float32, the closest it reads."""
+    if request.param == "native":
+        from mini_infer.kernels import cpu, fused
+
+        if cpu.unavailable_reason() is not None:
+            pytest.skip(f"native kernels unavailable: {cpu.unavailable_reason()}")
+        calls = []
+
+        def top_k(x, ks, edit_ids, edit_values):
+            calls.append(x.shape)
+            return fused.top_k(x.float() if x.dtype == torch.float64 else x, ks, edit_ids, edit_values)
+
+        monkeypatch.setattr(BatchSampler, "top_k", staticmethod(top_k))
+    yield request.param
+    if request.param == "native":
+        assert calls, "the native top-k never ran"
 
 
 def draw(logits_row: torch.Tensor, params: SamplingParams, num_draws: int, sampler_seed: int = 0,
@@ -98,7 +122,7 @@ def test_greedy_is_argmax_on_random_rows():
     assert out.logprobs == [None] * 64
 
 
-def test_top_k_1_equals_greedy_on_random_rows():
+def test_top_k_1_equals_greedy_on_random_rows(backend):
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(200, 23, generator=gen) * 3
     sampler = BatchSampler(23, CPU, seed=5)
@@ -107,7 +131,7 @@ def test_top_k_1_equals_greedy_on_random_rows():
         assert out.token_ids == logits.argmax(dim=-1).tolist()
 
 
-def test_tiny_temperature_is_greedy_even_in_a_sampled_batch():
+def test_tiny_temperature_is_greedy_even_in_a_sampled_batch(backend):
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(40, 16, generator=gen)
     params = [SamplingParams(temperature=1e-6) if i % 2 else SamplingParams(temperature=1.0) for i in range(40)]
@@ -158,7 +182,7 @@ def _rows(params, logits):
 # ---- top-k, top-p, min-p ----
 
 @pytest.mark.parametrize("k", [2, 5, 9])
-def test_top_k_samples_exactly_the_k_largest(k):
+def test_top_k_samples_exactly_the_k_largest(k, backend):
     gen = torch.Generator().manual_seed(k)
     logits = torch.randn(20, generator=gen, dtype=torch.float64) * 0.5  # flat enough that all k show up
     tokens = draw(logits, SamplingParams(temperature=1.0, top_k=k), 6000)
@@ -170,7 +194,7 @@ def test_top_k_samples_exactly_the_k_largest(k):
 
 @pytest.mark.parametrize("top_k", [0, -1, 20, 1000])
 @pytest.mark.parametrize("with_top_k_row", [False, True])
-def test_top_k_off_or_beyond_vocab_samples_everything(top_k, with_top_k_row):
+def test_top_k_off_or_beyond_vocab_samples_everything(top_k, with_top_k_row, backend):
     # The second variant shares the batch with a top_k=2 row, so the top-k code runs for this row too.
     logits = torch.linspace(-0.5, 0.5, 20, dtype=torch.float64)
     params = [SamplingParams(temperature=1.0, top_k=top_k)]
@@ -193,7 +217,7 @@ BY_RANK = [2, 5, 0, 3]
 @pytest.mark.parametrize("top_p,num_kept", [(0.3, 1), (0.49, 1), (0.51, 2), (0.799, 2), (0.801, 3),
                                             (0.94, 3), (0.96, 4), (1.0, 4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_top_p_keeps_the_smallest_prefix_reaching_p(top_p, num_kept, dtype):
+def test_top_p_keeps_the_smallest_prefix_reaching_p(top_p, num_kept, dtype, backend):
     logits = logits_from_probs(TOP_P_PROBS, dtype)
     tokens = draw(logits, SamplingParams(temperature=1.0, top_p=top_p), 4000)
     assert set(tokens.tolist()) == set(BY_RANK[:num_kept])
@@ -202,7 +226,7 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p(top_p, num_kept, dtype):
     assert_frequencies_match(tokens, kept / kept.sum())
 
 
-def test_top_p_applies_to_the_top_k_renormalised_distribution():
+def test_top_p_applies_to_the_top_k_renormalised_distribution(backend):
     # After top_k=2 the kept mass is 0.5/0.8 = 0.625 and 0.375: top_p=0.6 keeps only the first
     # (on the raw probabilities it would keep both, as 0.5 < 0.6).
     logits = logits_from_probs(TOP_P_PROBS)
@@ -212,7 +236,7 @@ def test_top_p_applies_to_the_top_k_renormalised_distribution():
     assert set(tokens.tolist()) == {2, 5}
 
 
-def test_top_k_and_top_p_rows_in_one_batch_use_their_own_values():
+def test_top_k_and_top_p_rows_in_one_batch_use_their_own_values(backend):
     logits = logits_from_probs(TOP_P_PROBS)
     params = [SamplingParams(temperature=1.0, top_p=0.79), SamplingParams(temperature=1.0, top_k=1),
               SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=3, top_p=0.99)]
@@ -229,7 +253,7 @@ MIN_P_PROBS = [0.1, 0.35, 0.04, 0.15, 0.08, 0.25, 0.03]
 
 @pytest.mark.parametrize("min_p,kept", [(0.0, {0, 1, 2, 3, 4, 5, 6}), (0.1, {0, 1, 2, 3, 4, 5}),
                                         (0.4, {1, 3, 5}), (0.5, {1, 5}), (0.9, {1}), (1.0, {1})])
-def test_min_p_drops_tokens_below_min_p_times_the_max(min_p, kept):
+def test_min_p_drops_tokens_below_min_p_times_the_max(min_p, kept, backend):
     logits = logits_from_probs(MIN_P_PROBS)
     tokens = draw(logits, SamplingParams(temperature=1.0, min_p=min_p), 5000)
     assert set(tokens.tolist()) == kept
@@ -238,7 +262,7 @@ def test_min_p_drops_tokens_below_min_p_times_the_max(min_p, kept):
     assert_frequencies_match(tokens, expected / expected.sum())
 
 
-def test_min_p_is_measured_after_temperature():
+def test_min_p_is_measured_after_temperature(backend):
     # At T=2 the probabilities are sqrt'ed and renormalised: token 0 (0.1) is then at
     # sqrt(0.1/0.35) = 0.53 of the max, above min_p=0.5; at T=1 it is at 0.29, below.
     logits = logits_from_probs(MIN_P_PROBS)
@@ -249,7 +273,7 @@ def test_min_p_is_measured_after_temperature():
 # ---- temperature ----
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.5])
-def test_frequencies_follow_softmax_of_logits_over_temperature(temperature):
+def test_frequencies_follow_softmax_of_logits_over_temperature(temperature, backend):
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 1.5, 0.2])
     tokens = draw(logits, SamplingParams(temperature=temperature), 20000, sampler_seed=7)
     assert_frequencies_match(tokens, (logits.double() / temperature).softmax(-1))
@@ -258,7 +282,7 @@ def test_frequencies_follow_softmax_of_logits_over_temperature(temperature):
         assert (observed - logits.double().softmax(-1)).abs().max() > 0.03
 
 
-def test_sampler_seed_makes_unseeded_rows_reproducible():
+def test_sampler_seed_makes_unseeded_rows_reproducible(backend):
     logits = torch.zeros(50, 30)
     requests = [make_request(SamplingParams()) for _ in range(50)]
     first = BatchSampler(30, CPU, seed=4)(logits, requests).token_ids
@@ -280,7 +304,7 @@ def _seeded_run(batch: list[tuple[SamplingParams, int | None]], target: int, log
     return tokens
 
 
-def test_seeded_request_ignores_batch_composition_and_position():
+def test_seeded_request_ignores_batch_composition_and_position(backend):
     gen = torch.Generator().manual_seed(9)
     logits = torch.randn(40, generator=gen) * 0.3
     target = (SamplingParams(temperature=0.8, top_p=0.95), 1234)
@@ -297,14 +321,14 @@ def test_seeded_request_ignores_batch_composition_and_position():
     assert len(set(alone)) > 3  # it really samples
 
 
-def test_different_seeds_give_different_tokens():
+def test_different_seeds_give_different_tokens(backend):
     logits = torch.zeros(40)
     runs = {seed: _seeded_run([(SamplingParams(), seed)], 0, logits, 0) for seed in (1, 2, 3)}
     assert len({tuple(r) for r in runs.values()}) == 3
     assert _seeded_run([(SamplingParams(), 2)], 0, logits, 0) == runs[2]
 
 
-def test_seeded_rows_follow_the_distribution():
+def test_seeded_rows_follow_the_distribution(backend):
     logits = torch.tensor([1.0, 0.0, -1.0, 0.5], dtype=torch.float64)
     sampler = BatchSampler(4, CPU, seed=0)
     requests = [make_request(SamplingParams(temperature=1.0), seed=s) for s in range(4000)]
@@ -367,7 +391,7 @@ def test_penalties_do_not_leak_into_the_last_vocab_token():
 
 
 @pytest.mark.parametrize("params,prompt,output,expected", [
-    (SamplingParams(temperature=0.0), [0], [0, 0], 0),  # no penalty: the argmax stands
+    (SamplingParams(temperature=1.0, top_k=1), [0], [0, 0], 0),  # no penalty: the argmax stands
     (SamplingParams(temperature=0.0, repetition_penalty=1.2), [0], [], 1),  # 2.0 / 1.2 < 1.9 (prompt)
     (SamplingParams(temperature=0.0, repetition_penalty=1.2), [5], [0], 1),  # (output)
     (SamplingParams(temperature=0.0, repetition_penalty=1.01), [0], [], 0),  # 1.98 > 1.9
@@ -379,13 +403,13 @@ def test_penalties_do_not_leak_into_the_last_vocab_token():
     (SamplingParams(temperature=0.0, presence_penalty=-0.6), [5], [3], 3),  # 1.5 + 0.6 > 2.0
     (SamplingParams(temperature=1.0, top_k=1, repetition_penalty=1.2), [0], [], 1),  # before top_k
 ])
-def test_penalties_flip_the_choice(params, prompt, output, expected):
+def test_penalties_flip_the_choice(params, prompt, output, expected, backend):
     logits = torch.tensor([[2.0, 1.9, 0.0, 1.5, -1.0, 1.0]])
     out = BatchSampler(6, CPU, 0)(logits, [make_request(params, prompt=prompt, output=output)])
     assert out.token_ids == [expected]
 
 
-def test_repetition_penalty_makes_negative_logits_more_negative():
+def test_repetition_penalty_makes_negative_logits_more_negative(backend):
     logits = torch.tensor([[-1.0, -1.1, -5.0]])
     params = SamplingParams(temperature=0.0, repetition_penalty=1.2)
     assert BatchSampler(3, CPU, 0)(logits, [make_request(params, prompt=[0])]).token_ids == [1]  # -1.2 < -1.1
@@ -394,7 +418,7 @@ def test_repetition_penalty_makes_negative_logits_more_negative():
 
 # ---- min_tokens ----
 
-def test_min_tokens_masks_eos_and_stop_ids_until_reached():
+def test_min_tokens_masks_eos_and_stop_ids_until_reached(backend):
     logits = torch.tensor([0.0, 1.0, 2.0, 9.0, 3.0, 8.0, 4.0, 5.0])
     params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[5, 100])
     sampler = BatchSampler(8, CPU, 0)
@@ -409,7 +433,7 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
         assert token == (7 if num_output < 3 else 3)
 
 
-def test_min_tokens_mask_is_per_row():
+def test_min_tokens_mask_is_per_row(backend):
     logits = torch.tensor([[0.0, 9.0, 8.0, 1.0]] * 4)
     requests = [
         make_request(SamplingParams(temperature=0.0, min_tokens=2), eos=[1]),
@@ -420,7 +444,7 @@ def test_min_tokens_mask_is_per_row():
     assert BatchSampler(4, CPU, 0)(logits, requests).token_ids == [2, 1, 3, 2]
 
 
-def test_min_tokens_mask_holds_when_sampling():
+def test_min_tokens_mask_holds_when_sampling(backend):
     logits = torch.tensor([0.0, 0.1, 0.2, 0.3, 0.4, 0.5])
     tokens = draw(logits, SamplingParams(temperature=1.0, min_tokens=5, stop_token_ids=[1]), 3000,
                   output=[0, 0], eos=[4, 5])

@@ -274,3 +274,107 @@ extern "C" void argmax_rows(const void* x, int dtype, int R, int C, int64_t stri
         out[r] = found;
     }
 }
+
+namespace {
+
+struct Entry {
+    float value;
+    int64_t id;
+};
+
+// The order of candidates: a NaN above every number (as torch.argmax and torch.topk take it), then by value.
+inline bool greater(float a, float b) { return (a != a && b == b) || a > b; }
+
+// Heap order: the root is the worst kept entry, the lowest value and, among equals, the highest index.
+inline bool heap_before(const Entry& a, const Entry& b) {
+    return greater(a.value, b.value) || (!greater(b.value, a.value) && a.id < b.id);
+}
+
+// A row's best k entries, offered in index order (so a later entry beats an equal earlier one never).
+class TopK {
+  public:
+    explicit TopK(int k) : k_(k) { heap_.reserve(k); }
+
+    void offer(float value, int64_t id) {
+        if (static_cast<int>(heap_.size()) < k_) {
+            heap_.push_back({value, id});
+            if (static_cast<int>(heap_.size()) == k_) std::make_heap(heap_.begin(), heap_.end(), heap_before);
+        } else if (greater(value, heap_.front().value)) {
+            std::pop_heap(heap_.begin(), heap_.end(), heap_before);
+            heap_.back() = {value, id};
+            std::push_heap(heap_.begin(), heap_.end(), heap_before);
+        }
+    }
+
+    bool full() const { return static_cast<int>(heap_.size()) == k_; }
+    float bar() const { return heap_.front().value; }  // what an entry must beat once full
+
+    // Offers x[from, to) (the row's raw values), eight at a time against the bar once the heap is full.
+    void scan(const void* x, int dtype, int64_t base, int64_t from, int64_t to) {
+        int64_t c = from;
+        for (; c < to && !full(); ++c) offer(load(x, dtype, base + c), c);
+        for (; c + 8 <= to; c += 8) {
+            const __m256 v = load8(x, dtype, base + c);
+            const __m256 bar = _mm256_set1_ps(heap_.front().value);
+            const int hits = _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(v, bar, _CMP_GT_OQ),
+                                                             _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+            if (hits == 0) continue;
+            for (int l = 0; l < 8; ++l)
+                if (hits >> l & 1) offer(load(x, dtype, base + c + l), c + l);
+        }
+        for (; c < to; ++c) offer(load(x, dtype, base + c), c);
+    }
+
+    // The kept entries, best first, into k_out slots (the rest: -inf with the best entry's id).
+    void write(float* values, int64_t* ids, int k_out) {
+        std::sort(heap_.begin(), heap_.end(), heap_before);
+        for (int i = 0; i < k_out; ++i) {
+            const bool kept = i < static_cast<int>(heap_.size());
+            values[i] = kept ? heap_[i].value : -INFINITY;
+            ids[i] = kept ? heap_[i].id : heap_[0].id;
+        }
+    }
+
+  private:
+    int k_;
+    std::vector<Entry> heap_;
+};
+
+}  // namespace
+
+// x [R, C] with rows `stride` elements apart, where row r's entries at edit_ids[r, :W] read edit_values[r, :W]
+// instead (an id past the row is padding; of one id listed twice, the lower value) -> the ks[r] largest entries of
+// each row, best first (NaN above numbers; of equal values the lower index), as values (float32) and ids in
+// out_*[r, :kmax]; a row keeping fewer than kmax pads with -inf and its best id. Returns 1, before writing, if a k
+// is outside [1, min(C, kmax)] or an edit id is negative.
+extern "C" int top_k_rows(const void* x, int dtype, int R, int C, int64_t stride, const int64_t* ks, int kmax,
+                          const int64_t* edit_ids, const float* edit_values, int W, float* out_values,
+                          int64_t* out_ids, int threads) {
+    for (int r = 0; r < R; ++r)
+        if (ks[r] < 1 || ks[r] > std::min(C, kmax)) return 1;
+    for (int64_t i = 0; i < static_cast<int64_t>(R) * W; ++i)
+        if (edit_ids[i] < 0) return 1;
+#pragma omp parallel for num_threads(threads) if (R > 1 && static_cast<int64_t>(R) * C >= 65536)
+    for (int r = 0; r < R; ++r) {
+        std::vector<Entry> edits;
+        for (int w = 0; w < W; ++w) {
+            const int64_t id = edit_ids[static_cast<int64_t>(r) * W + w];
+            if (id < C) edits.push_back({edit_values[static_cast<int64_t>(r) * W + w], id});
+        }
+        std::sort(edits.begin(), edits.end(), [](const Entry& a, const Entry& b) {
+            return a.id < b.id || (a.id == b.id && a.value < b.value);
+        });
+        const int64_t base = static_cast<int64_t>(r) * stride;
+        TopK top(static_cast<int>(ks[r]));
+        int64_t from = 0;
+        for (size_t e = 0; e < edits.size(); ++e) {
+            if (e > 0 && edits[e].id == edits[e - 1].id) continue;  // the lower value came first
+            top.scan(x, dtype, base, from, edits[e].id);
+            top.offer(edits[e].value, edits[e].id);
+            from = edits[e].id + 1;
+        }
+        top.scan(x, dtype, base, from, C);
+        top.write(out_values + static_cast<int64_t>(r) * kmax, out_ids + static_cast<int64_t>(r) * kmax, kmax);
+    }
+    return 0;
+}

@@ -125,3 +125,32 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     cpu.native_function("argmax_rows")(x.data_ptr(), cpu.DTYPE_CODES[x.dtype], x.shape[0], x.shape[1], x.stride(0),
                                        out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def top_k(x: torch.Tensor, ks: torch.Tensor, edit_ids: torch.Tensor,
+          edit_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row r of x [R, C] (rows may be slices of wider ones) with its entries at edit_ids[r] replaced by
+    edit_values[r] ([R, W] int64 / float32; an id >= C is padding, of an id listed twice the lower value counts),
+    and its ks[r] largest entries of that, found in one pass over the row without a copy of it: (values float32,
+    ids int64), each [R, max(ks)], best first (a NaN above every number; of equal values the lower index, as
+    argmax). A row keeping fewer than max(ks) is padded with -inf and its best id."""
+    rows, width = x.shape if x.dim() == 2 else (0, 0)
+    if (x.dim() != 2 or x.dtype not in cpu.DTYPES or x.stride(1) != 1 or width == 0 or ks.shape != (rows,)
+            or edit_ids.dim() != 2 or edit_ids.shape[0] != rows or edit_values.shape != edit_ids.shape):
+        raise ValueError(f"top_k: x {tuple(x.shape)} {x.dtype} (strides {x.stride()}) must be [R, C] with C > 0, "
+                         f"bfloat16/float32, each row contiguous; ks {tuple(ks.shape)} must be [R]; edits "
+                         f"{tuple(edit_ids.shape)} / {tuple(edit_values.shape)} must be [R, W] both")
+    ks = ks.to(torch.int64).contiguous()
+    edit_ids = edit_ids.to(torch.int64).contiguous()
+    edit_values = edit_values.to(torch.float32).contiguous()
+    k_max = int(ks.max()) if rows else 1
+    values = torch.empty(rows, k_max, dtype=torch.float32)
+    ids = torch.empty(rows, k_max, dtype=torch.int64)
+    # The kernel checks the ks and edit ids before it writes anything (1: out of range).
+    if cpu.native_function("top_k_rows")(x.data_ptr(), cpu.DTYPE_CODES[x.dtype], rows, width, x.stride(0),
+                                         ks.data_ptr(), k_max, edit_ids.data_ptr(), edit_values.data_ptr(),
+                                         edit_ids.shape[1], values.data_ptr(), ids.data_ptr(), torch.get_num_threads()):
+        lowest = int(edit_ids.min()) if edit_ids.numel() else 0
+        raise ValueError(f"top_k: ks in [{int(ks.min())}, {k_max}] must be in [1, {width}], edit ids from {lowest} "
+                         "must be >= 0")
+    return values, ids

@@ -63,21 +63,21 @@ class Penalties:
             grown[:, :width] = self.seen_ids
             self.seen_ids = grown
 
-    def apply(self, logits: torch.Tensor, slots: list[int], repetition: torch.Tensor, frequency: torch.Tensor,
-              presence: torch.Tensor) -> torch.Tensor:
-        """Repetition penalty on the tokens of the prompt or the output, presence and frequency on the output's,
-        in place; the penalty columns are [rows, 1] in the logits' dtype."""
+    def penalised(self, logits: torch.Tensor, slots: list[int], repetition: torch.Tensor, frequency: torch.Tensor,
+                  presence: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids [R, W], values [R, W]): the tokens each row's request has seen and their logits after the repetition
+        penalty (prompt or output tokens) and presence and frequency (output tokens), computed in `dtype`, as are
+        the penalty columns [R, 1]. The logits are only read."""
         width = max(self.num_seen[s] for s in slots)
         index = torch.tensor(slots, device=self.device)
         ids = self.seen_ids[index, :width]
         # Rows with fewer seen tokens repeat their first id: the same value written twice to the same place.
         ids = torch.where(torch.arange(width, device=self.device) < torch.tensor(
             [self.num_seen[s] for s in slots], device=self.device)[:, None], ids, ids[:, :1])
-        values = logits.gather(1, ids)
-        counts = self.counts[index[:, None], ids].to(logits.dtype)
+        values = logits.gather(1, ids).to(dtype)
+        counts = self.counts[index[:, None], ids].to(dtype)
         values = torch.where(values > 0, values / repetition, values * repetition)
-        values = values - frequency * counts - presence * (counts > 0)
-        return logits.scatter_(1, ids, values)
+        return ids, values - frequency * counts - presence * (counts > 0)
 
 
 def _extend_rows(tensor: torch.Tensor, extra: int) -> torch.Tensor:

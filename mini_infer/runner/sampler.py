@@ -8,6 +8,10 @@ Order (as in vLLM): min_tokens mask, penalties, greedy argmax; then temperature,
 draw by inverse CDF from one uniform per row; requests with a seed draw it from their own generator, so their
 samples do not depend on the batch. top_k and top_p work on each row's likeliest tokens (torch.topk), not a sort of
 the whole vocabulary, unless the nucleus reaches past them.
+Where the runner gives it a top-k (its native kernel) and every row is greedy or has a top_k of at most CANDIDATES
+(the model's generation_config defaults have top_k 20), a step reads the logits once: penalties and min_tokens masks
+become sparse edits that the top-k reads in place of the logits at those ids, and temperature, min_p, top_p and the
+draw work on the k candidates only (no float32 copy, temperature pass or sort of the vocabulary-wide rows).
 Logprobs are those of the raw model logits.
 """
 
@@ -21,6 +25,11 @@ import torch
 from mini_infer.runner.penalties import Penalties
 from mini_infer.runner.plan import NewRequest
 from mini_infer.sampling_params import SamplingParams
+
+# The runner's top-k (native where its kernels run): logits [R, V] (as they are), k per row [R], edits (ids [R, W],
+# values [R, W]: entries to read instead) -> (values float32, ids) of each row's k largest, best first ([R, max k],
+# a shorter row padded with -inf), ties broken towards the lower id as argmax does; None for logits it cannot read.
+TopK = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]
 
 # Per-slot parameter rows: name -> the value a request's SamplingParams gives it.
 _ROWS = {
@@ -42,9 +51,10 @@ class SamplerOutput:
 
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device, seed: int,
-                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None, top_k: TopK | None = None) -> None:
         self.vocab_size = vocab_size
         self.argmax = argmax or (lambda x: x.argmax(dim=-1))  # rows [R, V] -> int64 [R]; the runner's may be native
+        self.top_k = top_k
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._capacity = 0
@@ -125,6 +135,10 @@ class Sampler:
         wants_logprobs = any(p.logprobs is not None for p in params)
         if not edits and not wants_logprobs:  # plain greedy: the argmax of the logits as they are
             return SamplerOutput(self.argmax(logits[:, : self.vocab_size]).tolist(), [None] * len(params))
+        if not wants_logprobs and all(p.greedy or self._top_k[s] <= CANDIDATES for p, s in zip(params, slots)):
+            tokens = self._sample_top_k(logits, slots, params)
+            if tokens is not None:
+                return SamplerOutput(tokens.tolist(), [None] * len(params))
         work = logits[:, : self.vocab_size].to(torch.promote_types(logits.dtype, torch.float32), copy=edits)
         raw_logprobs = torch.log_softmax(work, dim=-1) if wants_logprobs else None
         self.mask_stop_tokens_under_min(work, slots)
@@ -151,12 +165,60 @@ class Sampler:
     def apply_penalties(self, logits: torch.Tensor, slots: list[int]) -> torch.Tensor:
         """Repetition penalty on tokens of the prompt or the output, presence and frequency on the output (in
         place)."""
+        ids, values = self._penalised(logits, slots, logits.dtype)
+        return logits.scatter_(1, ids, values)
+
+    def _penalised(self, logits: torch.Tensor, slots: list[int],
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ids [R, W] of the tokens each row's request has seen and their penalised logits in `dtype`."""
         index = torch.tensor(slots, device=self.device)
 
         def column(name):
-            return self._rows[name][index].to(logits.dtype)[:, None]
+            return self._rows[name][index].to(dtype)[:, None]
 
-        return self._penalties.apply(logits, slots, column("repetition"), column("frequency"), column("presence"))
+        return self._penalties.penalised(logits, slots, column("repetition"), column("frequency"), column("presence"),
+                                         dtype)
+
+    def _sample_top_k(self, logits: torch.Tensor, slots: list[int],
+                      params: list[SamplingParams]) -> torch.Tensor | None:
+        """Tokens for a batch whose rows are greedy or keep at most CANDIDATES tokens, from each row's top_k (1 when
+        greedy) likeliest after its penalties and min_tokens masks, found by `top_k` in one pass over the logits as
+        they are (no copy of the vocabulary-wide rows, no sort): temperature, min_p, top_p and the draw then work
+        on those candidates only. None where `top_k` cannot read these logits."""
+        if self.top_k is None:
+            return None
+        dtype = torch.promote_types(logits.dtype, torch.float32)  # what the full path computes in
+        edit_ids, edit_values = [], []
+        if any(p.uses_penalties for p in params):
+            ids, values = self._penalised(logits, slots, dtype)
+            edit_ids.append(ids)
+            edit_values.append(values)
+        stops = [self._stop_ids[s] if self._num_outputs[s] < self._params[s].min_tokens else () for s in slots]
+        width = max(map(len, stops))
+        if width:  # min_tokens masks: -inf (an id past the vocabulary pads a row)
+            edit_ids.append(torch.tensor([(*ids, *(self.vocab_size,) * (width - len(ids))) for ids in stops],
+                                         device=self.device))
+            edit_values.append(torch.full((len(slots), width), float("-inf"), dtype=dtype, device=self.device))
+        index = torch.tensor(slots, device=self.device)
+        greedy = torch.tensor([p.greedy for p in params], device=self.device)
+        ks = torch.where(greedy, 1, self._top_k[index])
+        none = torch.zeros(len(slots), 0, dtype=torch.int64, device=self.device)
+        found = self.top_k(logits[:, : self.vocab_size], ks, torch.cat(edit_ids, dim=1) if edit_ids else none,
+                           torch.cat(edit_values, dim=1) if edit_values else none.to(dtype))
+        if found is None:
+            return None
+        values, ids = found
+        tokens = ids[:, 0].clone()  # a greedy row's only candidate: the argmax
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if rows:
+            picked = index[rows]
+            scaled = values[rows].to(dtype) / self._rows["temperature"][picked].to(dtype)[:, None]
+            filters = _Filters(self._top_k[picked], self._rows["top_p"][picked].to(dtype),
+                               self._rows["min_p"][picked].to(dtype).log())
+            threshold = scaled[:, 0] + filters.log_min_p  # the row's maximum is its first candidate
+            tokens[rows], _ = _draw_candidates(scaled, ids[rows], threshold, filters, self._uniforms(
+                [slots[i] for i in rows]), self.vocab_size)
+        return tokens
 
     def _sample(self, logits: torch.Tensor, slots: list[int], params: list[SamplingParams]) -> torch.Tensor:
         index = torch.tensor(slots, device=self.device)
@@ -216,7 +278,9 @@ def _draw(scaled: torch.Tensor, filters: _Filters, u: torch.Tensor) -> torch.Ten
         rows = candidate.nonzero()[:, 0]
         k_limited = filters.top_k[rows][limited[rows]]
         width = min(vocab, CANDIDATES if (~limited[rows]).any() else int(k_limited.max()))
-        picked, exact = _draw_candidates(scaled[rows], threshold[rows], filters.rows(rows), u[rows], width)
+        values, ids = scaled[rows].topk(width, dim=-1)
+        picked, exact = _draw_candidates(values, ids, threshold[rows], filters.rows(rows), u[rows], vocab,
+                                         scaled[rows])
         tokens[rows[exact]] = picked[exact]
         done[rows[exact]] = True
     rest = (~done).nonzero()[:, 0]
@@ -225,15 +289,19 @@ def _draw(scaled: torch.Tensor, filters: _Filters, u: torch.Tensor) -> torch.Ten
     return tokens
 
 
-def _draw_candidates(scaled, threshold, filters: _Filters, u, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token per row, whether the row's draw is exact: its whole nucleus lies among its `width` candidates)."""
-    values, ids = scaled.topk(width, dim=-1)
-    keep = (torch.arange(width, device=scaled.device) < filters.top_k[:, None]) & (values >= threshold[:, None])
+def _draw_candidates(values, ids, threshold, filters: _Filters, u, vocab: int,
+                     scaled: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token per row, whether the row's draw is exact: its whole nucleus lies among its candidates), from each
+    row's likeliest tokens `ids` and their temperature-scaled logits `values` [n, width], best first. Where a row
+    without top_k may have candidates that leave out part of the vocabulary, `scaled` holds the whole rows, for the
+    kept mass."""
+    width = values.shape[1]
+    keep = (torch.arange(width, device=values.device) < filters.top_k[:, None]) & (values >= threshold[:, None])
     keep[:, 0] = True
     weights = (values - values[:, :1]).exp() * keep
     total = weights.sum(dim=-1)
-    unlimited = filters.top_k >= scaled.shape[1]
-    if unlimited.any():  # the kept set's mass includes its tail past the candidates
+    unlimited = filters.top_k >= vocab
+    if scaled is not None and unlimited.any():  # the kept set's mass includes its tail past the candidates
         tail = scaled[unlimited]
         kept = (tail - values[unlimited, :1]).exp() * (tail >= threshold[unlimited, None])
         total[unlimited] = kept.sum(dim=-1)
