@@ -213,3 +213,55 @@ def test_decode_attention_refuses_inputs_that_would_read_outside_the_caches(spoi
     spoil(args)
     with pytest.raises(ValueError, match=message):
         cpu.paged_decode_attention(*args.values())
+
+
+def reference_prefill_attention(q, k_cache, v_cache, blocks, context_len):
+    """float64: query i at position context_len - Lq + i over the keys at positions up to its own."""
+    query_len, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    slots = blocks[torch.arange(context_len) // block_size] * block_size + torch.arange(context_len) % block_size
+    keys = k_cache.reshape(-1, kv_heads, head_dim)[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+    values = v_cache.reshape(-1, kv_heads, head_dim)[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("qhd,thd->hqt", q.double(), keys) / head_dim**0.5
+    positions = torch.arange(context_len - query_len, context_len)
+    scores.masked_fill_(torch.arange(context_len)[None, :] > positions[:, None], float("-inf"))
+    return torch.einsum("hqt,thd->qhd", scores.softmax(-1), values)
+
+
+# Whole prompts and chunks after a cached prefix (Lq < context); query tiles of 8 tokens and score blocks of 16 keys
+# with their tails; head dims that are and are not multiples of 8 and 32; GQA groups of 7, 2 and 1.
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(14, 2, 64, 16), (4, 2, 12, 4), (3, 3, 40, 3)])
+@pytest.mark.parametrize("query_len,context_len", [(1, 1), (5, 5), (8, 8), (17, 17), (9, 40), (1, 33), (70, 70)])
+def test_prefill_attention_matches_float64(dtype, heads, kv_heads, head_dim, block_size, query_len, context_len):
+    gen = torch.Generator().manual_seed(query_len * 100 + context_len + head_dim)
+    needed = -(-context_len // block_size)
+    num_blocks = needed + 5
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    blocks = torch.randperm(num_blocks, generator=gen)[: needed + 2]  # scattered, two more ids than it needs
+    for t in range(context_len, (needed + 2) * block_size):  # slots past the context: never read
+        k_cache[blocks[t // block_size], t % block_size] = float("nan")
+        v_cache[blocks[t // block_size], t % block_size] = float("nan")
+    q = torch.randn(query_len, heads, head_dim, generator=gen).to(dtype)
+    out = cpu.paged_prefill_attention(q, k_cache, v_cache, blocks, context_len)
+    assert out.dtype == dtype and out.shape == q.shape
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bfloat16: the output is rounded to 8 mantissa bits
+    torch.testing.assert_close(out.double(), reference_prefill_attention(q, k_cache, v_cache, blocks, context_len),
+                               rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("spoil, message", [
+    (lambda a: a.update(context_len=1), "2 query tokens \\(must be in \\[1, 1\\]\\)"),
+    (lambda a: a.update(blocks=torch.tensor([0, 6])), "block ids in \\[0, 6\\] \\(must be in \\[0, 5\\]\\)"),
+    (lambda a: a.update(blocks=torch.tensor([-1, 1])), "block ids in \\[-1, 1\\]"),
+    (lambda a: a.update(blocks=torch.tensor([0])), "1 blocks of 4 for a context of 7"),
+    (lambda a: a.update(k=a["k"].transpose(0, 1).contiguous().transpose(0, 1)), "contiguous"),
+])
+def test_prefill_attention_refuses_inputs_that_would_read_outside_the_caches(spoil, message):
+    k_cache = torch.randn(6, 4, 1, 8)
+    args = dict(q=torch.randn(2, 2, 8), k=k_cache, v=k_cache.clone(), blocks=torch.tensor([0, 1]), context_len=7)
+    cpu.paged_prefill_attention(*args.values())  # the unspoilt inputs run
+    spoil(args)
+    with pytest.raises(ValueError, match=message):
+        cpu.paged_prefill_attention(*args.values())

@@ -58,6 +58,8 @@ _KERNELS = {
                         enable="amx_enable"),
     "paged_decode_attention": _Kernel("cpu_attention.cpp", "paged_decode_attention",
                                       [_P] * 6 + [_I] * 8 + [ctypes.c_int64, _F, _I], _I, _AVX2, ("avx2", "fma")),
+    "paged_prefill_attention": _Kernel("cpu_attention.cpp", "paged_prefill_attention",
+                                       [_P] * 5 + [_I] * 8 + [ctypes.c_int64, _F, _I], _I, _AVX2, ("avx2", "fma")),
     # kernels/fused.py: a decoder layer's elementwise steps, one library.
     "add_rms_norm": _Kernel("cpu_fused.cpp", "add_rms_norm", [_P] * 5 + [_I] * 3 + [_F, _I, _I], None, _FUSED,
                             ("avx2", "fma")),
@@ -76,8 +78,8 @@ _KERNELS = {
 }
 # The kernels that must build for cpu_kernels to run natively; the AVX-512 matmuls are extra paths where the CPU
 # has them (MATMUL_PATHS).
-_BASE = ("gemm", "paged_decode_attention", "add_rms_norm", "silu_mul", "rope_kv_write", "argmax_rows", "top_k_rows",
-         "decode_layers", "shm_allreduce")
+_BASE = ("gemm", "paged_decode_attention", "paged_prefill_attention", "add_rms_norm", "silu_mul", "rope_kv_write",
+         "argmax_rows", "top_k_rows", "decode_layers", "shm_allreduce")
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,6 +275,34 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             out.data_ptr(), DTYPE_CODES[q.dtype], DTYPE_CODES[k_cache.dtype], num_reqs, heads, kv_heads, head_dim,
             block_size, block_tables.shape[1], num_blocks, 1.0 / math.sqrt(head_dim), torch.get_num_threads()):
         raise attention_range_error(block_tables, context_lens, block_size, num_blocks)
+    return out
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            blocks: torch.Tensor, context_len: int) -> torch.Tensor:
+    """One request's prefill: q [Lq, H, D], its new tokens at positions context_len - Lq .., each attending causally
+    over the cached keys up to its own position, read through `blocks` (its block-table row) -> [Lq, H, D]."""
+    num_tokens, heads, head_dim = q.shape
+    num_blocks, block_size, kv_heads, cache_head_dim = k_cache.shape
+    if (q.dtype not in DTYPES or k_cache.dtype not in DTYPES or heads % kv_heads or cache_head_dim != head_dim
+            or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or blocks.dim() != 1
+            or blocks.shape[0] * block_size < context_len):
+        raise ValueError(f"cpu prefill attention: q {tuple(q.shape)} {q.dtype}, caches {tuple(k_cache.shape)} / "
+                         f"{tuple(v_cache.shape)} {k_cache.dtype} (contiguous: {k_cache.is_contiguous()}, "
+                         f"{v_cache.is_contiguous()}), {blocks.shape[0]} blocks of {block_size} for a context of "
+                         f"{context_len}")
+    q = q.contiguous()
+    blocks = blocks.to(torch.int64).contiguous()
+    out = torch.empty_like(q)
+    # The kernel checks the query count and the block ids the context needs before it reads anything (1: refused).
+    if native_function("paged_prefill_attention")(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), blocks.data_ptr(), out.data_ptr(),
+            DTYPE_CODES[q.dtype], DTYPE_CODES[k_cache.dtype], num_tokens, context_len, heads, kv_heads, head_dim,
+            block_size, num_blocks, 1.0 / math.sqrt(head_dim), torch.get_num_threads()):
+        needed = blocks[: -(-context_len // block_size)]
+        raise ValueError(f"cpu prefill attention: {num_tokens} query tokens (must be in [1, {context_len}]), block "
+                         f"ids in [{int(needed.min())}, {int(needed.max())}] (must be in [0, {num_blocks - 1}])")
     return out
 
 

@@ -11,6 +11,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "bf16.h"
@@ -202,6 +203,190 @@ extern "C" int paged_decode_attention(const void* q, const void* k_cache, const 
         Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < R * KVH; ++item) attend(a, item / KVH, item % KVH, scratch);
+    }
+    return 0;
+}
+
+// Prefill attention of one request: its Lq new query tokens at positions ctx - Lq .. ctx - 1, each over the keys up
+// to its own position, read through the request's block-table row. K and V of the context are widened once per
+// call into float32 copies (K transposed, [KVH][D][keys], so that a vector holds one d of 8 consecutive keys), then
+// work items of QT query tokens x one KV head's G query heads compute their scores as a small matrix product (4
+// rows x 16 keys of accumulators, one broadcast of q per row and d), a softmax per row, and the weighted sum of V
+// two rows x 32 columns at a time. Arithmetic is float32 throughout.
+namespace {
+
+constexpr int QT = 8;  // query tokens per work item
+constexpr int KEYS = 16;  // keys per score block (two vectors)
+
+struct Prefill {
+    const void* q; void* out;
+    int io_dtype, Lq, ctx, H, KVH, D;
+    float scale;
+    const float* keys_t;  // [KVH][D][ctx_pad] (zero past ctx)
+    const float* values;  // [KVH][ctx][D]
+    int ctx_pad;
+};
+
+struct PrefillScratch {
+    std::vector<float> q, scores, acc;
+};
+
+// S[r][j0 .. j0 + 16) = q_r . K[j] for four rows r (the q rows D apart, the S rows `ld` apart).
+inline void scores_4x16(const float* q, int D, const float* keys_t, int ctx_pad, int j0, float* s, int ld) {
+    __m256 acc[4][2];
+    for (auto& row : acc) row[0] = row[1] = _mm256_setzero_ps();
+    for (int d = 0; d < D; ++d) {
+        const float* k = keys_t + static_cast<int64_t>(d) * ctx_pad + j0;
+        const __m256 k0 = _mm256_loadu_ps(k), k1 = _mm256_loadu_ps(k + 8);
+        for (int r = 0; r < 4; ++r) {
+            const __m256 qv = _mm256_broadcast_ss(q + r * D + d);
+            acc[r][0] = _mm256_fmadd_ps(qv, k0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(qv, k1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < 4; ++r) {
+        _mm256_storeu_ps(s + r * ld + j0, acc[r][0]);
+        _mm256_storeu_ps(s + r * ld + j0 + 8, acc[r][1]);
+    }
+}
+
+// p[0 .. n) -> exp(p - max), zero from n to `to`; returns the sum.
+inline float softmax_numerators(float* p, int n, int to) {
+    __m256 peaks = _mm256_set1_ps(p[0]);
+    int t = 0;
+    for (; t + 8 <= n; t += 8) peaks = _mm256_max_ps(peaks, _mm256_loadu_ps(p + t));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, peaks);
+    float peak = lanes[0];
+    for (int l = 1; l < 8; ++l) peak = lanes[l] > peak ? lanes[l] : peak;
+    for (; t < n; ++t) peak = p[t] > peak ? p[t] : peak;
+    const __m256 peak8 = _mm256_set1_ps(peak);
+    __m256 sum8 = _mm256_setzero_ps();
+    for (t = 0; t + 8 <= n; t += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + t), peak8));
+        _mm256_storeu_ps(p + t, e);
+        sum8 = _mm256_add_ps(sum8, e);
+    }
+    float total = hsum(sum8);
+    if (t < n) {
+        float tail[8] = {};
+        for (int i = t; i < n; ++i) tail[i - t] = p[i] - peak;
+        _mm256_storeu_ps(tail, exp8(_mm256_loadu_ps(tail)));
+        for (int i = t; i < n; ++i) total += (p[i] = tail[i - t]);
+    }
+    for (int i = n; i < to; ++i) p[i] = 0.0f;
+    return total;
+}
+
+// acc[r][c0 .. c0 + 8 * C) = sum over j < n of p_r[j] * V[j][c0 ..] for R rows (R * C accumulators).
+template <int R, int C>
+inline void weighted_rows(const float* p, int ld, const float* values, int D, int n, int c0, float* acc) {
+    __m256 sum[R][C];
+    for (auto& row : sum)
+        for (auto& v : row) v = _mm256_setzero_ps();
+    for (int j = 0; j < n; ++j) {
+        const float* v = values + static_cast<int64_t>(j) * D + c0;
+        __m256 vv[C];
+        for (int c = 0; c < C; ++c) vv[c] = _mm256_loadu_ps(v + 8 * c);
+        for (int r = 0; r < R; ++r) {
+            const __m256 w = _mm256_broadcast_ss(p + r * ld + j);
+            for (int c = 0; c < C; ++c) sum[r][c] = _mm256_fmadd_ps(w, vv[c], sum[r][c]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + r * D + c0 + 8 * c, sum[r][c]);
+}
+
+void prefill_item(const Prefill& a, int kv_head, int tile, PrefillScratch& s) {
+    const int G = a.H / a.KVH, D = a.D;
+    const int first = tile * QT, tokens = std::min(QT, a.Lq - first);
+    const int rows = tokens * G, padded_rows = (rows + 3) / 4 * 4;
+    const int offset = a.ctx - a.Lq;  // position of query token 0
+    const int keys = offset + first + tokens;  // the last token's context
+    const int span = (keys + KEYS - 1) / KEYS * KEYS;
+    // Row r = token i * G + head g: q scaled, float32; rows past the last are zero (computed, never stored).
+    s.q.assign(static_cast<size_t>(padded_rows) * D, 0.0f);
+    for (int i = 0; i < tokens; ++i)
+        for (int g = 0; g < G; ++g) {
+            const int64_t src = (static_cast<int64_t>(first + i) * a.H + kv_head * G + g) * D;
+            float* dst = s.q.data() + static_cast<size_t>(i * G + g) * D;
+            for (int d = 0; d < D; ++d) dst[d] = load(a.q, a.io_dtype, src + d) * a.scale;
+        }
+    s.scores.resize(static_cast<size_t>(padded_rows) * span);
+    const float* keys_t = a.keys_t + static_cast<int64_t>(kv_head) * D * a.ctx_pad;
+    for (int r = 0; r < padded_rows; r += 4)
+        for (int j0 = 0; j0 < span; j0 += KEYS)
+            scores_4x16(s.q.data() + static_cast<size_t>(r) * D, D, keys_t, a.ctx_pad, j0,
+                        s.scores.data() + static_cast<size_t>(r) * span, span);
+    std::vector<float> totals(padded_rows, 1.0f);
+    for (int r = 0; r < padded_rows; ++r) {
+        float* p = s.scores.data() + static_cast<size_t>(r) * span;
+        if (r < rows) totals[r] = softmax_numerators(p, offset + first + r / G + 1, span);
+        else for (int j = 0; j < span; ++j) p[j] = 0.0f;
+    }
+    s.acc.resize(static_cast<size_t>(padded_rows) * D);
+    const float* values = a.values + static_cast<int64_t>(kv_head) * a.ctx * D;
+    for (int r = 0; r < padded_rows; r += 2) {
+        const float* p = s.scores.data() + static_cast<size_t>(r) * span;
+        float* acc = s.acc.data() + static_cast<size_t>(r) * D;
+        int c0 = 0;
+        for (; c0 + 32 <= D; c0 += 32) weighted_rows<2, 4>(p, span, values, D, keys, c0, acc);
+        for (; c0 + 8 <= D; c0 += 8) weighted_rows<2, 1>(p, span, values, D, keys, c0, acc);
+        for (; c0 < D; ++c0)
+            for (int k = 0; k < 2; ++k) {
+                float sum = 0.0f;
+                for (int j = 0; j < keys; ++j) sum += p[k * span + j] * values[static_cast<int64_t>(j) * D + c0];
+                acc[k * D + c0] = sum;
+            }
+    }
+    for (int i = 0; i < tokens; ++i)
+        for (int g = 0; g < G; ++g) {
+            const int r = i * G + g;
+            const float inverse = 1.0f / totals[r];
+            const int64_t dst = (static_cast<int64_t>(first + i) * a.H + kv_head * G + g) * D;
+            for (int d = 0; d < D; ++d) {
+                const float value = s.acc[static_cast<size_t>(r) * D + d] * inverse;
+                if (a.io_dtype == BF16) static_cast<uint16_t*>(a.out)[dst + d] = f32_to_bf16(value);
+                else static_cast<float*>(a.out)[dst + d] = value;
+            }
+        }
+}
+
+}  // namespace
+
+// q, out [Lq, H, D]; the caches [num_blocks, block_size, KVH, D]; blocks: the request's block-table row (at least
+// ceil(ctx / block_size) ids). Returns 0, or 1 without reading the caches where Lq is outside [1, ctx] or a block
+// id the context needs is outside [0, num_blocks).
+extern "C" int paged_prefill_attention(const void* q, const void* k_cache, const void* v_cache, const int64_t* blocks,
+                                       void* out, int io_dtype, int cache_dtype, int Lq, int ctx, int H, int KVH,
+                                       int D, int block_size, int64_t num_blocks, float scale, int threads) {
+    if (Lq < 1 || Lq > ctx) return 1;
+    for (int b = 0; b < (ctx + block_size - 1) / block_size; ++b)
+        if (blocks[b] < 0 || blocks[b] >= num_blocks) return 1;
+    const int ctx_pad = (ctx + KEYS - 1) / KEYS * KEYS;
+    std::vector<float> keys_t(static_cast<size_t>(KVH) * D * ctx_pad, 0.0f);
+    std::vector<float> values(static_cast<size_t>(KVH) * ctx * D);
+#pragma omp parallel for num_threads(threads) if (static_cast<int64_t>(ctx) * KVH * D >= 65536)
+    for (int t = 0; t < ctx; ++t) {
+        const int64_t row = (blocks[t / block_size] * block_size + t % block_size) * KVH;
+        for (int h = 0; h < KVH; ++h)
+            for (int d = 0; d < D; ++d) {
+                const int64_t at = (row + h) * D + d;
+                keys_t[(static_cast<size_t>(h) * D + d) * ctx_pad + t] = load(k_cache, cache_dtype, at);
+                values[(static_cast<size_t>(h) * ctx + t) * D + d] = load(v_cache, cache_dtype, at);
+            }
+    }
+    const Prefill a{q, out, io_dtype, Lq, ctx, H, KVH, D, scale, keys_t.data(), values.data(), ctx_pad};
+    const int tiles = (Lq + QT - 1) / QT, items = tiles * KVH;
+#pragma omp parallel num_threads(threads)
+    {
+        PrefillScratch scratch;
+        // The last tiles see the longest contexts: handed out first.
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < items; ++item) {
+            const int tile = tiles - 1 - item / KVH;
+            prefill_item(a, item % KVH, tile, scratch);
+        }
     }
     return 0;
 }

@@ -38,14 +38,17 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# One request's prefill: (q [Lq, heads, head_dim], k_cache, v_cache, its block-table row, its context length).
+PrefillAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    decode: DecodeAttention | None = None) -> torch.Tensor:
+                    decode: DecodeAttention | None = None, prefill: PrefillAttention | None = None) -> torch.Tensor:
     """q: [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim], causal over each request's context.
 
     The leading single-token requests (decodes) go through `decode` (q, k_cache, v_cache, block_tables,
-    context_lens) in one batch, torch's by default; the others one by one."""
+    context_lens) in one batch, torch's by default; the others one by one, through `prefill` (torch's SDPA by
+    default)."""
     decode = decode or decode_attention
     d = meta.num_decodes
     if d == meta.num_reqs:
@@ -53,7 +56,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q)
     if d:
         out[:d] = decode(q[:d], k_cache, v_cache, meta.block_tables[:d], meta.context_lens[:d])
-    _prefill_attention(q, k_cache, v_cache, meta, out, first=d)
+    for i in range(d, meta.num_reqs):  # O(batch) host work
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        out[start:end] = (prefill or prefill_attention)(q[start:end], k_cache, v_cache, meta.block_tables[i],
+                                                        meta.context_lens_host[i])
     return out
 
 
@@ -77,25 +83,22 @@ def decode_attention(q, k_cache, v_cache, block_tables: torch.Tensor, context_le
     return out.reshape(num_reqs, heads, head_dim)
 
 
-def _prefill_attention(q, k_cache, v_cache, meta: AttentionMetadata, out: torch.Tensor, first: int) -> None:
-    """Requests `first`.. one by one (O(batch) host work), each over its whole context: the tokens it just wrote
-    and any earlier ones already in the cache (a cached prefix, earlier chunks); query i sits at position
-    context_len - query_len + i and sees the keys up to it."""
-    _, heads, head_dim = q.shape
+def prefill_attention(q, k_cache, v_cache, blocks: torch.Tensor, context_len: int) -> torch.Tensor:
+    """One request over its whole context: the tokens it just wrote and any earlier ones already in the cache (a
+    cached prefix, earlier chunks); query i sits at position context_len - query_len + i and sees the keys up to
+    it."""
+    query_len, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    for i in range(first, meta.num_reqs):
-        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-        context_len, query_len = meta.context_lens_host[i], end - start
-        blocks = meta.block_tables[i, : (context_len + block_size - 1) // block_size]
-        # Each KV head repeated for its query group, and a batch axis: [1, heads, len, head_dim] is what torch's
-        # fused CPU attention takes (3-d or enable_gqa inputs fell back to its unfused math, ~3x slower at 512).
-        keys = k_cache[blocks].view(-1, kv_heads, head_dim)[:context_len].repeat_interleave(heads // kv_heads, 1)
-        values = v_cache[blocks].view(-1, kv_heads, head_dim)[:context_len].repeat_interleave(heads // kv_heads, 1)
-        mask = None
-        if query_len != context_len:
-            query_positions = torch.arange(context_len - query_len, context_len, device=q.device)
-            mask = torch.arange(context_len, device=q.device)[None, :] <= query_positions[:, None]
-        out[start:end] = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-            attn_mask=mask, is_causal=mask is None,
-        )[0].transpose(0, 1)
+    blocks = blocks[: (context_len + block_size - 1) // block_size]
+    # Each KV head repeated for its query group, and a batch axis: [1, heads, len, head_dim] is what torch's
+    # fused CPU attention takes (3-d or enable_gqa inputs fell back to its unfused math, ~3x slower at 512).
+    keys = k_cache[blocks].view(-1, kv_heads, head_dim)[:context_len].repeat_interleave(heads // kv_heads, 1)
+    values = v_cache[blocks].view(-1, kv_heads, head_dim)[:context_len].repeat_interleave(heads // kv_heads, 1)
+    mask = None
+    if query_len != context_len:
+        query_positions = torch.arange(context_len - query_len, context_len, device=q.device)
+        mask = torch.arange(context_len, device=q.device)[None, :] <= query_positions[:, None]
+    return F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+        attn_mask=mask, is_causal=mask is None,
+    )[0].transpose(0, 1)

@@ -66,7 +66,9 @@ class Ops:
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata) -> torch.Tensor:
-        return paged_attention(q, k_cache, v_cache, meta, cpu.paged_decode_attention if self.native else None)
+        if not self.native:
+            return paged_attention(q, k_cache, v_cache, meta)
+        return paged_attention(q, k_cache, v_cache, meta, cpu.paged_decode_attention, cpu.paged_prefill_attention)
 
     def rms_norm(self, norm: RMSNorm, x: torch.Tensor,
                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
