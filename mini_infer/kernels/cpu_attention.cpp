@@ -1,4 +1,5 @@
-// Decode attention over a paged KV cache: one query token per request, read through its block table.
+// Attention over a paged KV cache, read through block tables: decode (one query token per request, below) and
+// prefill (one request's new tokens, further down).
 //
 // q [R, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D]; block_tables [R, max_blocks] (int64);
 // context_lens [R] (int64); out [R, H, D]. q, the caches and out are each float32 or bfloat16; arithmetic is
@@ -80,6 +81,34 @@ inline void weighted_sum(const float* const* rows, const float* p, int ctx, floa
     for (int j = 0; j < CHUNKS; ++j) _mm256_storeu_ps(out + 8 * j, acc[j]);
 }
 
+// p[0 .. n) -> exp(p - max), zero from n to `to`; returns the sum.
+inline float softmax_numerators(float* p, int n, int to) {
+    __m256 peaks = _mm256_set1_ps(p[0]);
+    int t = 0;
+    for (; t + 8 <= n; t += 8) peaks = _mm256_max_ps(peaks, _mm256_loadu_ps(p + t));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, peaks);
+    float peak = lanes[0];
+    for (int l = 1; l < 8; ++l) peak = lanes[l] > peak ? lanes[l] : peak;
+    for (; t < n; ++t) peak = p[t] > peak ? p[t] : peak;
+    const __m256 peak8 = _mm256_set1_ps(peak);
+    __m256 sum8 = _mm256_setzero_ps();
+    for (t = 0; t + 8 <= n; t += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + t), peak8));
+        _mm256_storeu_ps(p + t, e);
+        sum8 = _mm256_add_ps(sum8, e);
+    }
+    float total = hsum(sum8);
+    if (t < n) {
+        float tail[8] = {};
+        for (int i = t; i < n; ++i) tail[i - t] = p[i] - peak;
+        _mm256_storeu_ps(tail, exp8(_mm256_loadu_ps(tail)));
+        for (int i = t; i < n; ++i) total += (p[i] = tail[i - t]);
+    }
+    for (int i = n; i < to; ++i) p[i] = 0.0f;
+    return total;
+}
+
 struct Args {
     const void* q; const void* k_cache; const void* v_cache; const int64_t* block_tables;
     const int64_t* context_lens; void* out;
@@ -128,32 +157,8 @@ void attend(const Args& a, int r, int kv_head, Scratch& s) {
             for (; t + 4 <= ctx; t += 4) scores4(q, s.key_rows.data() + t, D, scores + t);
         for (; t < ctx; ++t) scores[t] = dot(q, s.key_rows[t], D);
     }
-    for (int g = 0; g < G; ++g) {  // softmax numerators; each head's sum divides its output at the end
-        float* p = s.scores.data() + static_cast<size_t>(g) * ctx;
-        __m256 peaks = _mm256_set1_ps(p[0]);
-        int t = 0;
-        for (; t + 8 <= ctx; t += 8) peaks = _mm256_max_ps(peaks, _mm256_loadu_ps(p + t));
-        float lanes[8];
-        _mm256_storeu_ps(lanes, peaks);
-        float peak = lanes[0];
-        for (int l = 1; l < 8; ++l) peak = lanes[l] > peak ? lanes[l] : peak;
-        for (; t < ctx; ++t) peak = p[t] > peak ? p[t] : peak;
-        const __m256 peak8 = _mm256_set1_ps(peak);
-        __m256 sum8 = _mm256_setzero_ps();
-        for (t = 0; t + 8 <= ctx; t += 8) {
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + t), peak8));
-            _mm256_storeu_ps(p + t, e);
-            sum8 = _mm256_add_ps(sum8, e);
-        }
-        float total = hsum(sum8);
-        if (t < ctx) {  // the tail through a padded vector: the same exp
-            float tail[8] = {};
-            for (int i = t; i < ctx; ++i) tail[i - t] = p[i] - peak;
-            _mm256_storeu_ps(tail, exp8(_mm256_loadu_ps(tail)));
-            for (int i = t; i < ctx; ++i) total += (p[i] = tail[i - t]);
-        }
-        s.totals[g] = total;
-    }
+    for (int g = 0; g < G; ++g)  // softmax numerators; each head's sum divides its output at the end
+        s.totals[g] = softmax_numerators(s.scores.data() + static_cast<size_t>(g) * ctx, ctx, ctx);
     for (int g = 0; g < G; ++g) {
         const float* p = s.scores.data() + static_cast<size_t>(g) * ctx;
         float* acc = s.acc.data() + static_cast<size_t>(g) * D;
@@ -248,34 +253,6 @@ inline void scores_4x16(const float* q, int D, const float* keys_t, int ctx_pad,
         _mm256_storeu_ps(s + r * ld + j0, acc[r][0]);
         _mm256_storeu_ps(s + r * ld + j0 + 8, acc[r][1]);
     }
-}
-
-// p[0 .. n) -> exp(p - max), zero from n to `to`; returns the sum.
-inline float softmax_numerators(float* p, int n, int to) {
-    __m256 peaks = _mm256_set1_ps(p[0]);
-    int t = 0;
-    for (; t + 8 <= n; t += 8) peaks = _mm256_max_ps(peaks, _mm256_loadu_ps(p + t));
-    float lanes[8];
-    _mm256_storeu_ps(lanes, peaks);
-    float peak = lanes[0];
-    for (int l = 1; l < 8; ++l) peak = lanes[l] > peak ? lanes[l] : peak;
-    for (; t < n; ++t) peak = p[t] > peak ? p[t] : peak;
-    const __m256 peak8 = _mm256_set1_ps(peak);
-    __m256 sum8 = _mm256_setzero_ps();
-    for (t = 0; t + 8 <= n; t += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + t), peak8));
-        _mm256_storeu_ps(p + t, e);
-        sum8 = _mm256_add_ps(sum8, e);
-    }
-    float total = hsum(sum8);
-    if (t < n) {
-        float tail[8] = {};
-        for (int i = t; i < n; ++i) tail[i - t] = p[i] - peak;
-        _mm256_storeu_ps(tail, exp8(_mm256_loadu_ps(tail)));
-        for (int i = t; i < n; ++i) total += (p[i] = tail[i - t]);
-    }
-    for (int i = n; i < to; ++i) p[i] = 0.0f;
-    return total;
 }
 
 // acc[r][c0 .. c0 + 8 * C) = sum over j < n of p_r[j] * V[j][c0 ..] for R rows (R * C accumulators).
