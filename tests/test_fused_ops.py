@@ -261,3 +261,26 @@ def test_greedy_tokens_with_native_kernels_equal_torch_ops(tiny_model_dir, dtype
         llm = LLM(str(tiny_model_dir), dtype=dtype, cpu_kernels=mode, block_size=4)
         tokens[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert tokens["on"] == tokens["off"]
+
+
+def test_native_prefill_attention_over_chunks_and_cached_prefixes_equals_torch_ops(tiny_model_dir):
+    """float32: prompts prefilled in chunks of a 16-token budget and a second wave that starts from the first's
+    cached prefixes, so the native prefill attention runs with queries after earlier context (Lq < context) as well
+    as whole prompts; tokens and top-5 logprobs match torch's SDPA path (cpu_kernels off)."""
+    shared = [(7 * i + 3) % 500 for i in range(29)]
+    first = [shared + [11, 12], [5, 9, 2, 77, 31, 8, 1, 4, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
+    second = [shared + [13], shared[:20] + [60, 61, 62]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=5, ignore_eos=True)
+    results, counts = {}, {}
+    for mode in ("on", "off"):
+        llm = LLM(str(tiny_model_dir), dtype="float32", cpu_kernels=mode, block_size=4, max_num_batched_tokens=16)
+        runs = [llm.generate(prompts, params, use_tqdm=False) for prompts in (first, second)]
+        results[mode] = [(o.outputs[0].token_ids, [sorted(lp.items()) for lp in o.outputs[0].logprobs])
+                         for run in runs for o in run]
+        counts[mode] = llm.engine.kv_cache.prefix_hits
+    assert counts["on"] > 0 and counts["on"] == counts["off"]  # the second wave did start from cached prefixes
+    for (tokens_on, logprobs_on), (tokens_off, logprobs_off) in zip(results["on"], results["off"]):
+        assert tokens_on == tokens_off
+        for step_on, step_off in zip(logprobs_on, logprobs_off):
+            assert [token for token, _ in step_on] == [token for token, _ in step_off]
+            assert [lp.logprob for _, lp in step_on] == pytest.approx([lp.logprob for _, lp in step_off], abs=1e-4)
