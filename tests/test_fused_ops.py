@@ -284,3 +284,21 @@ def test_native_prefill_attention_over_chunks_and_cached_prefixes_equals_torch_o
         for step_on, step_off in zip(logprobs_on, logprobs_off):
             assert [token for token, _ in step_on] == [token for token, _ in step_off]
             assert [lp.logprob for _, lp in step_on] == pytest.approx([lp.logprob for _, lp in step_off], abs=1e-4)
+
+
+def test_sampling_with_top_k_reads_the_logits_through_the_native_top_k(tiny_model_dir, monkeypatch):
+    """With the native kernels the runner hands the sampler fused.top_k: seeded requests with top_k (penalties and
+    min_tokens too) are drawn from its candidates, reproducibly; with cpu_kernels off it is never called."""
+    calls = []
+    native = fused.top_k
+    monkeypatch.setattr(fused, "top_k", lambda *args: calls.append(1) or native(*args))
+    params = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.1, min_tokens=3, seed=5,
+                            max_tokens=8, ignore_eos=True)
+    runs = {}
+    for mode in ("on", "on", "off"):
+        calls.clear()
+        llm = LLM(str(tiny_model_dir), dtype="bfloat16", cpu_kernels=mode, block_size=4)
+        runs.setdefault(mode, []).append([o.outputs[0].token_ids for o in llm.generate([[5, 9, 2], [100, 3]], params,
+                                                                                        use_tqdm=False)])
+        assert (len(calls) == 8) if mode == "on" else not calls  # one call per decode step of the batch
+    assert runs["on"][0] == runs["on"][1]

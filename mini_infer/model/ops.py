@@ -88,11 +88,12 @@ class Ops:
         """x.argmax(dim=-1) of logits [R, V] (greedy decoding); natively in one threaded pass for bf16/float32."""
         return fused.argmax(x) if self.native and x.dtype in cpu.DTYPES else x.argmax(dim=-1)
 
-    def top_k(self, x: torch.Tensor, ks: torch.Tensor, edit_ids: torch.Tensor,
-              edit_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Each row's ks[r] largest logits after its edits, in one native pass (fused.top_k); None where the native
-        kernels do not run or cannot read x's dtype (the sampler then works on a copy of the logits with torch)."""
-        return fused.top_k(x, ks, edit_ids, edit_values) if self.native and x.dtype in cpu.DTYPES else None
+    @property
+    def top_k(self):
+        """The sampler's top-k over the logits (fused.top_k: each row's k largest after its sparse edits, in one pass)
+        where the native kernels run, whose logits are then bfloat16 or float32; None elsewhere (the sampler then
+        works on a copy of the logits with torch)."""
+        return fused.top_k if self.native else None
 
     def rope_kv_write(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                       kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor,

@@ -26,10 +26,10 @@ from mini_infer.runner.penalties import Penalties
 from mini_infer.runner.plan import NewRequest
 from mini_infer.sampling_params import SamplingParams
 
-# The runner's top-k (native where its kernels run): logits [R, V] (as they are), k per row [R], edits (ids [R, W],
+# The runner's top-k where its native kernels run: logits [R, V] (as they are), k per row [R], edits (ids [R, W],
 # values [R, W]: entries to read instead) -> (values float32, ids) of each row's k largest, best first ([R, max k],
-# a shorter row padded with -inf), ties broken towards the lower id as argmax does; None for logits it cannot read.
-TopK = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]
+# a shorter row padded with -inf), ties broken towards the lower id as argmax does.
+TopK = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 # Per-slot parameter rows: name -> the value a request's SamplingParams gives it.
 _ROWS = {
@@ -135,10 +135,9 @@ class Sampler:
         wants_logprobs = any(p.logprobs is not None for p in params)
         if not edits and not wants_logprobs:  # plain greedy: the argmax of the logits as they are
             return SamplerOutput(self.argmax(logits[:, : self.vocab_size]).tolist(), [None] * len(params))
-        if not wants_logprobs and all(p.greedy or self._top_k[s] <= CANDIDATES for p, s in zip(params, slots)):
-            tokens = self._sample_top_k(logits, slots, params)
-            if tokens is not None:
-                return SamplerOutput(tokens.tolist(), [None] * len(params))
+        if (self.top_k is not None and not wants_logprobs
+                and all(p.greedy or self._top_k[s] <= CANDIDATES for p, s in zip(params, slots))):
+            return SamplerOutput(self._sample_top_k(logits, slots, params).tolist(), [None] * len(params))
         work = logits[:, : self.vocab_size].to(torch.promote_types(logits.dtype, torch.float32), copy=edits)
         raw_logprobs = torch.log_softmax(work, dim=-1) if wants_logprobs else None
         self.mask_stop_tokens_under_min(work, slots)
@@ -180,13 +179,11 @@ class Sampler:
                                          dtype)
 
     def _sample_top_k(self, logits: torch.Tensor, slots: list[int],
-                      params: list[SamplingParams]) -> torch.Tensor | None:
+                      params: list[SamplingParams]) -> torch.Tensor:
         """Tokens for a batch whose rows are greedy or keep at most CANDIDATES tokens, from each row's top_k (1 when
         greedy) likeliest after its penalties and min_tokens masks, found by `top_k` in one pass over the logits as
         they are (no copy of the vocabulary-wide rows, no sort): temperature, min_p, top_p and the draw then work
-        on those candidates only. None where `top_k` cannot read these logits."""
-        if self.top_k is None:
-            return None
+        on those candidates only."""
         dtype = torch.promote_types(logits.dtype, torch.float32)  # what the full path computes in
         edit_ids, edit_values = [], []
         if any(p.uses_penalties for p in params):
@@ -203,11 +200,8 @@ class Sampler:
         greedy = torch.tensor([p.greedy for p in params], device=self.device)
         ks = torch.where(greedy, 1, self._top_k[index])
         none = torch.zeros(len(slots), 0, dtype=torch.int64, device=self.device)
-        found = self.top_k(logits[:, : self.vocab_size], ks, torch.cat(edit_ids, dim=1) if edit_ids else none,
-                           torch.cat(edit_values, dim=1) if edit_values else none.to(dtype))
-        if found is None:
-            return None
-        values, ids = found
+        values, ids = self.top_k(logits[:, : self.vocab_size], ks, torch.cat(edit_ids, dim=1) if edit_ids else none,
+                                 torch.cat(edit_values, dim=1) if edit_values else none.to(dtype))
         tokens = ids[:, 0].clone()  # a greedy row's only candidate: the argmax
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
