@@ -233,7 +233,7 @@ struct Prefill {
 };
 
 struct PrefillScratch {
-    std::vector<float> q, scores, acc;
+    std::vector<float> q, scores, acc, totals;
 };
 
 // S[r][j0 .. j0 + 16) = q_r . K[j] for four rows r (the q rows D apart, the S rows `ld` apart).
@@ -295,10 +295,10 @@ void prefill_item(const Prefill& a, int kv_head, int tile, PrefillScratch& s) {
         for (int j0 = 0; j0 < span; j0 += KEYS)
             scores_4x16(s.q.data() + static_cast<size_t>(r) * D, D, keys_t, a.ctx_pad, j0,
                         s.scores.data() + static_cast<size_t>(r) * span, span);
-    std::vector<float> totals(padded_rows, 1.0f);
+    s.totals.assign(padded_rows, 1.0f);
     for (int r = 0; r < padded_rows; ++r) {
         float* p = s.scores.data() + static_cast<size_t>(r) * span;
-        if (r < rows) totals[r] = softmax_numerators(p, offset + first + r / G + 1, span);
+        if (r < rows) s.totals[r] = softmax_numerators(p, offset + first + r / G + 1, span);
         else for (int j = 0; j < span; ++j) p[j] = 0.0f;
     }
     s.acc.resize(static_cast<size_t>(padded_rows) * D);
@@ -319,7 +319,7 @@ void prefill_item(const Prefill& a, int kv_head, int tile, PrefillScratch& s) {
     for (int i = 0; i < tokens; ++i)
         for (int g = 0; g < G; ++g) {
             const int r = i * G + g;
-            const float inverse = 1.0f / totals[r];
+            const float inverse = 1.0f / s.totals[r];
             const int64_t dst = (static_cast<int64_t>(first + i) * a.H + kv_head * G + g) * D;
             for (int d = 0; d < D; ++d) {
                 const float value = s.acc[static_cast<size_t>(r) * D + d] * inverse;

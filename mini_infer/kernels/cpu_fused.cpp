@@ -299,7 +299,7 @@ class TopK {
         if (static_cast<int>(heap_.size()) < k_) {
             heap_.push_back({value, id});
             if (static_cast<int>(heap_.size()) == k_) std::make_heap(heap_.begin(), heap_.end(), heap_before);
-        } else if (greater(value, heap_.front().value)) {
+        } else if (greater(value, bar())) {
             std::pop_heap(heap_.begin(), heap_.end(), heap_before);
             heap_.back() = {value, id};
             std::push_heap(heap_.begin(), heap_.end(), heap_before);
@@ -315,8 +315,8 @@ class TopK {
         for (; c < to && !full(); ++c) offer(load(x, dtype, base + c), c);
         for (; c + 8 <= to; c += 8) {
             const __m256 v = load8(x, dtype, base + c);
-            const __m256 bar = _mm256_set1_ps(heap_.front().value);
-            const int hits = _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(v, bar, _CMP_GT_OQ),
+            const __m256 least = _mm256_set1_ps(bar());
+            const int hits = _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(v, least, _CMP_GT_OQ),
                                                              _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
             if (hits == 0) continue;
             for (int l = 0; l < 8; ++l)

@@ -49,7 +49,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     The leading single-token requests (decodes) go through `decode` (q, k_cache, v_cache, block_tables,
     context_lens) in one batch, torch's by default; the others one by one, through `prefill` (torch's SDPA by
     default)."""
-    decode = decode or decode_attention
+    decode, prefill = decode or decode_attention, prefill or prefill_attention
     d = meta.num_decodes
     if d == meta.num_reqs:
         return decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens)
@@ -58,8 +58,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out[:d] = decode(q[:d], k_cache, v_cache, meta.block_tables[:d], meta.context_lens[:d])
     for i in range(d, meta.num_reqs):  # O(batch) host work
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-        out[start:end] = (prefill or prefill_attention)(q[start:end], k_cache, v_cache, meta.block_tables[i],
-                                                        meta.context_lens_host[i])
+        out[start:end] = prefill(q[start:end], k_cache, v_cache, meta.block_tables[i], meta.context_lens_host[i])
     return out
 
 

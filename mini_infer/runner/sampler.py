@@ -74,8 +74,7 @@ class Sampler:
         self._grow(slot + 1)
         for name, value in _ROWS.items():
             self._rows[name][slot] = value(params)
-        # A top_k past the vocabulary (even past int64) keeps every token, as vLLM clamps it.
-        self._top_k[slot] = min(params.top_k, self.vocab_size) if params.top_k > 0 else self.vocab_size
+        self._top_k[slot] = self._kept(params)
         self._params[slot] = params
         self._stop_ids[slot] = tuple(t for t in request.min_tokens_stop_ids if t < self.vocab_size)
         self._num_outputs[slot] = len(request.token_ids) - request.num_prompt_tokens
@@ -90,6 +89,11 @@ class Sampler:
             if self._penalties is None:
                 self._penalties = Penalties(self.vocab_size, self._capacity, self.device)
             self._penalties.reset(slot, request.token_ids, request.num_prompt_tokens)
+
+    def _kept(self, params: SamplingParams) -> int:
+        """How many tokens a request's top_k keeps: past the vocabulary (even past int64) every token, as vLLM clamps
+        it; 0 or -1 (off) every token too."""
+        return min(params.top_k, self.vocab_size) if params.top_k > 0 else self.vocab_size
 
     def release(self, request_id: str, slot: int | None, finished: bool) -> None:
         """The request left its slot; a finished one also drops its seeded generator (a preempted one keeps it
@@ -136,7 +140,7 @@ class Sampler:
         if not edits and not wants_logprobs:  # plain greedy: the argmax of the logits as they are
             return SamplerOutput(self.argmax(logits[:, : self.vocab_size]).tolist(), [None] * len(params))
         if (self.top_k is not None and not wants_logprobs
-                and all(p.greedy or self._top_k[s] <= CANDIDATES for p, s in zip(params, slots))):
+                and all(p.greedy or self._kept(p) <= CANDIDATES for p in params)):
             return SamplerOutput(self._sample_top_k(logits, slots, params).tolist(), [None] * len(params))
         work = logits[:, : self.vocab_size].to(torch.promote_types(logits.dtype, torch.float32), copy=edits)
         raw_logprobs = torch.log_softmax(work, dim=-1) if wants_logprobs else None
