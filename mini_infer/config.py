@@ -131,6 +131,7 @@ def resolve_dtype(dtype: str | torch.dtype, model_config: ModelConfig) -> torch.
 
 
 CPU_KERNEL_MODES = ("auto", "on", "off")  # what each means: mini_infer.model.ops
+QUANTIZATION_METHODS = ("int8", "int4")  # weight-only, quantised at load (mini_infer.kernels.quant)
 # Tokens per step with chunked prefill. Prefill is compute-bound: the 0.5B shape prefills ~140-190 tokens/s in
 # bfloat16 on the 2-core machines here (docs/BENCHMARKS.md), so a 512-token step holds the running streams up for
 # ~3 s; a smaller budget shortens that stall and batches less prompt work per weight read. Not tuned beyond that.
@@ -152,6 +153,7 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     cpu_kernels: str = "auto"  # auto, on or off (mini_infer.model.ops)
+    quantization: str | None = None  # None (the checkpoint's dtype), int8 or int4: weight-only, quantised at load
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
@@ -189,6 +191,17 @@ class EngineConfig:
         self.torch_dtype = resolve_dtype(self.dtype, self.model_config)
         if self.cpu_kernels not in CPU_KERNEL_MODES:
             raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNEL_MODES)}, got {self.cpu_kernels!r}")
+        if self.quantization is not None:
+            if self.quantization not in QUANTIZATION_METHODS:
+                raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or None), got "
+                                 f"{self.quantization!r}")
+            if torch.device(self.device).type != "cpu" or self.torch_dtype == torch.float64:
+                raise ValueError(f"quantization {self.quantization!r} runs bfloat16, float16 or float32 models on the "
+                                 f"CPU, not {self.torch_dtype} on {self.device}")
+            if self.quantization == "int8" and (self.cpu_kernels == "off" or self.torch_dtype == torch.float16):
+                raise ValueError("quantization 'int8' runs on mini-infer's native kernels only (torch has no group-wise "
+                                 "int8 CPU matmul): it needs cpu_kernels 'auto' or 'on' and a bfloat16 or float32 "
+                                 f"model, not cpu_kernels {self.cpu_kernels!r} with {self.torch_dtype}")
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             _positive(name, getattr(self, name))
         _check_parallel_split(self.model_config, self.tensor_parallel_size, self.pipeline_parallel_size)

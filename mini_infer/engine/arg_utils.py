@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, asdict, dataclass, fields
 
-from mini_infer.config import EngineConfig
+from mini_infer.config import QUANTIZATION_METHODS, EngineConfig
 from mini_infer.engine.data_parallel import create_engine
 
 
@@ -29,6 +29,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = _default("max_num_batched_tokens")
     max_model_len: int | None = _default("max_model_len")
     cpu_kernels: str = _default("cpu_kernels")
+    quantization: str | None = _default("quantization")
     enable_prefix_caching: bool = _default("enable_prefix_caching")
     enable_chunked_prefill: bool = _default("enable_chunked_prefill")
     tensor_parallel_size: int = _default("tensor_parallel_size")
@@ -51,6 +52,10 @@ class EngineArgs:
         parser.add_argument("--cpu-kernels", default=_default("cpu_kernels"), choices=["auto", "on", "off"],
                             help="native CPU kernels for the matmuls and decode attention (auto: on for bf16/fp32 "
                                  "on the CPU when they build)")
+        parser.add_argument("--quantization", default=None, choices=list(QUANTIZATION_METHODS),
+                            help="weight-only quantisation at load, of every projection and the LM head: int8 "
+                                 "(symmetric) or int4 (with zero points), in groups of 32 inputs (README: Quantised "
+                                 "weights)")
         parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                             default=_default("enable_prefix_caching"),
                             help="reuse the KV blocks of cached prompt prefixes (default on)")

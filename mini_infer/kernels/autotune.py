@@ -22,12 +22,14 @@ from pathlib import Path
 import torch
 
 from mini_infer.kernels import cpu
+from mini_infer.kernels.quant import QUANT_KERNELS
 from mini_infer.paths import cache_dir
 
 # Rows of the activation (tokens in a step): decode batches up to 64, then prefill chunk sizes.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-# Every candidate name a cached table may hold (a machine times the ones it can run).
-CANDIDATES = (*cpu.MATMUL_PATHS, "torch")
+# Every candidate name a cached table may hold (a machine times the ones it can run): the native paths for float
+# weights (kernels/cpu.py) and for quantised ones (kernels/quant.py; a table holds one kind), and torch's matmul.
+CANDIDATES = tuple(dict.fromkeys((*cpu.MATMUL_PATHS, *QUANT_KERNELS, "torch")))
 _ROUNDS = 5  # timed calls per candidate and bucket
 _SLOW_ROUNDS = 3  # where a call takes longer than _SLOW_S (a prefill of the LM head, say): steady enough
 _SLOW_S = 0.02

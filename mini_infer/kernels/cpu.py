@@ -30,6 +30,9 @@ DTYPES = (torch.bfloat16, torch.float32)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the kernels' dtype arguments
 PANEL = 16  # output columns per panel of a packed weight (cpu_gemm*.cpp)
 _P, _I, _F, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
+# gemm_quant(x, x_dtype, q, scale, zero, scale_dtype, bits, group, bias, bias_dtype, out, out_dtype, M, N, K,
+# prefetch, threads)
+_QUANT_ARGS = [_P, _I, _P, _P, _P] + [_I] * 3 + [_P, _I, _P] + [_I] * 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +59,15 @@ _KERNELS = {
                         [*_AVX512, "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
                         ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"),
                         enable="amx_enable"),
+    # kernels/quant.py: weights quantised to int8 or int4, products of int16 x and the integers in registers.
+    "gemm_quant": _Kernel("cpu_gemm_quant.cpp", "gemm_quant", _QUANT_ARGS, _I, [*_AVX2, "-DQUANT_AVX512=0"],
+                          ("avx2", "fma")),
+    "gemm_quant_avx512": _Kernel("cpu_gemm_quant.cpp", "gemm_quant", _QUANT_ARGS, _I,
+                                 [*_AVX512, "-DQUANT_AVX512=1", "-DQUANT_VNNI=0"],
+                                 ("avx2", "fma", "avx512f", "avx512bw", "avx512vl")),
+    "gemm_quant_vnni": _Kernel("cpu_gemm_quant.cpp", "gemm_quant", _QUANT_ARGS, _I,
+                               [*_AVX512, "-mavx512vnni", "-DQUANT_AVX512=1", "-DQUANT_VNNI=1"],
+                               ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni")),
     "paged_decode_attention": _Kernel("cpu_attention.cpp", "paged_decode_attention",
                                       [_P] * 6 + [_I] * 8 + [ctypes.c_int64, _F, _I], _I, _AVX2, ("avx2", "fma")),
     "paged_prefill_attention": _Kernel("cpu_attention.cpp", "paged_prefill_attention",

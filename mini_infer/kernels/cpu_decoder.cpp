@@ -12,13 +12,15 @@
 namespace {
 
 enum DType : int { F32 = 0, BF16 = 1 };
-// How a matmul kernel takes its arguments (kernels/cpu.py's four kinds of gemm).
-enum GemmKind : int { AVX2 = 0, AVX512 = 1, AVX512_BF16 = 2, AMX = 3 };
+// How a matmul kernel takes its arguments (kernels/cpu.py's four kinds of gemm, and gemm_quant).
+enum GemmKind : int { AVX2 = 0, AVX512 = 1, AVX512_BF16 = 2, AMX = 3, QUANT = 4 };
 
 using Avx2Gemm = void (*)(const void*, int, const void*, int, const void*, int, void*, int, int, int, int, int);
 using Avx512Gemm = void (*)(const void*, int, const void*, const void*, int, void*, int, int, int, int, int, int);
 using Bf16Gemm = void (*)(const void*, const void*, const void*, int, void*, int, int, int, int, int, int);
 using AmxGemm = void (*)(const void*, const void*, const void*, int, void*, int, int, int, int, int);
+using QuantGemm = int (*)(const void*, int, const void*, const void*, const void*, int, int, int, const void*, int,
+                          void*, int, int, int, int, int, int);
 using NormFn = void (*)(const void*, const void*, const void*, void*, void*, int, int, int, float, int, int);
 using RopeFn = int (*)(const void*, const int64_t*, const void*, const void*, void*, void*, void*, const int64_t*,
                        int, int, int, int, int, int64_t, int64_t, int);
@@ -36,6 +38,10 @@ struct Matmul {
     int kind;      // GemmKind
     int w_dtype;   // the packed weight's dtype (the AVX2 kernel reads either)
     int prefetch;  // the AVX-512 kernels' weight prefetch
+    // A quantised weight's (kernels/quant.py; `weight` holds its integers): scales, zeros (or null), bits, group.
+    const void* scales;
+    const void* zeros;
+    int bits, group, scale_dtype;
 };
 
 struct Layer {
@@ -75,8 +81,12 @@ void matmul(const Matmul& m, const void* x, const void* bias, int dtype, void* o
         case AVX512_BF16:
             reinterpret_cast<Bf16Gemm>(m.kernel)(x, m.weight, bias, dtype, out, dtype, M, N, K, m.prefetch, threads);
             break;
-        default:
+        case AMX:
             reinterpret_cast<AmxGemm>(m.kernel)(x, m.weight, bias, dtype, out, dtype, M, N, K, threads);
+            break;
+        default:  // the arguments were checked when the stack was built (kernels/decoder.py)
+            reinterpret_cast<QuantGemm>(m.kernel)(x, dtype, m.weight, m.scales, m.zeros, m.scale_dtype, m.bits,
+                                                   m.group, bias, dtype, out, dtype, M, N, K, m.prefetch, threads);
             break;
     }
 }

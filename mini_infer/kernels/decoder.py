@@ -14,13 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
-from mini_infer.kernels import cpu, fused
+from mini_infer.kernels import cpu, fused, quant
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
 
 
 class _Matmul(ctypes.Structure):
-    _fields_ = [("kernel", _P), ("weight", _P), ("kind", _I), ("w_dtype", _I), ("prefetch", _I)]
+    _fields_ = [("kernel", _P), ("weight", _P), ("kind", _I), ("w_dtype", _I), ("prefetch", _I),
+                ("scales", _P), ("zeros", _P), ("bits", _I), ("group", _I), ("scale_dtype", _I)]
 
 
 class _Layer(ctypes.Structure):
@@ -35,7 +36,9 @@ class _Model(ctypes.Structure):
                 ("max_positions", ctypes.c_int64), ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
-NativeLinear = tuple[str, cpu.PackedWeight]  # a native matmul path (cpu.MATMUL_PATHS) and the weight it reads
+# A native matmul path (cpu.MATMUL_PATHS, or quant.QUANT_KERNELS for a quantised weight) and the weight it reads.
+NativeLinear = tuple[str, cpu.PackedWeight | quant.QuantPanels]
+_QUANT_KIND = 4  # cpu_decoder.cpp's kind for gemm_quant
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +110,12 @@ class DecoderStack:
         self._run = cpu.native_function("decode_layers")
 
     @staticmethod
-    def _matmul(dtype: torch.dtype, path: str, weight: cpu.PackedWeight) -> _Matmul:
+    def _matmul(dtype: torch.dtype, path: str, weight: cpu.PackedWeight | quant.QuantPanels) -> _Matmul:
+        if isinstance(weight, quant.QuantPanels):
+            kernel, prefetch = quant.QUANT_KERNELS[path]
+            zeros = weight.zeros.data_ptr() if weight.zeros is not None else None
+            return _Matmul(_address(kernel), weight.q.data_ptr(), _QUANT_KIND, 0, prefetch, weight.scales.data_ptr(),
+                           zeros, weight.bits, weight.group, cpu.DTYPE_CODES[weight.scales.dtype])
         kernel = cpu.matmul_kernel(dtype, weight, path)
         prefetch = cpu.MATMUL_PATHS[path].prefetch
         return _Matmul(_address(kernel), weight.data.data_ptr(), cpu.GEMM_KINDS[kernel],

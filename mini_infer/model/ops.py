@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mini_infer.config import CPU_KERNEL_MODES
-from mini_infer.kernels import cpu, fused
-from mini_infer.kernels.autotune import LinearTuner, bucket_index, last_level_cache_bytes, machine_key, timed_ms
+from mini_infer.kernels import cpu, fused, quant
+from mini_infer.kernels.autotune import (BUCKETS, LinearTuner, bucket_index, last_level_cache_bytes, machine_key,
+                                         timed_ms)
 from mini_infer.model.attention import AttentionMetadata, paged_attention, write_kv
 from mini_infer.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from mini_infer.profiling import profiled
@@ -27,18 +28,23 @@ from mini_infer.profiling import profiled
 
 @dataclass(frozen=True, slots=True)
 class TunedWeight:
-    """A linear weight in the forms its timed choices need: packed per native layout, as it is for torch."""
+    """A linear weight in the forms its timed choices need: packed per native layout, as it is for torch; or, quantised,
+    in the native kernel's panels ("quant") and torch's int4 form ("int4pack")."""
 
-    packed: dict[str, cpu.PackedWeight]  # layout ("panels", "pairs") -> packed weight
+    packed: dict[str, cpu.PackedWeight | quant.QuantPanels | quant.TorchInt4Pack]  # layout -> packed weight
     dense: torch.Tensor | None
-    winners: tuple[str, ...]  # per autotune bucket: a native path (cpu.MATMUL_PATHS) or "torch"
+    winners: tuple[str, ...]  # per autotune bucket: a native path (cpu.MATMUL_PATHS, quant.QUANT_KERNELS) or "torch"
 
     def tensors(self) -> list[torch.Tensor]:
-        return [p.data for p in self.packed.values()] + ([self.dense] if self.dense is not None else [])
+        packed = [t for p in self.packed.values() for t in (p.tensors() if hasattr(p, "tensors") else [p.data])]
+        return packed + ([self.dense] if self.dense is not None else [])
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.dense.dtype if self.dense is not None else next(iter(self.packed.values())).dtype
+    def native(self, path: str) -> cpu.PackedWeight | quant.QuantPanels:
+        """The packed weight that native path `path` reads."""
+        if "quant" in self.packed:
+            return self.packed["quant"]
+        dtype = self.dense.dtype if self.dense is not None else next(iter(self.packed.values())).dtype
+        return self.packed[cpu.weight_layout(path, dtype)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,21 +53,27 @@ class Ops:
     note: str  # why, for logs and benchmark reports
     tuner: LinearTuner | None = None  # with the native kernels: None runs `path` everywhere
     path: str = "avx2"  # the native matmul path without a tuner
+    quantization: str | None = None  # the linear weights quantised at load (config.QUANTIZATION_METHODS)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | cpu.PackedWeight | TunedWeight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         native = self.native_linear(weight, x.shape[0])
         if native is not None:
-            return cpu.linear(x, native[1], bias, native[0])
+            path, packed = native
+            if isinstance(packed, quant.QuantPanels):
+                return quant.quant_linear(x, packed, bias, path)
+            return cpu.linear(x, packed, bias, path)
+        if isinstance(weight, TunedWeight) and "int4pack" in weight.packed:
+            return quant.torch_int4_linear(x, weight.packed["int4pack"], bias)
         return F.linear(x, weight.dense if isinstance(weight, TunedWeight) else weight, bias)
 
     def native_linear(self, weight: torch.Tensor | cpu.PackedWeight | TunedWeight,
-                      rows: int) -> tuple[str, cpu.PackedWeight] | None:
+                      rows: int) -> tuple[str, cpu.PackedWeight | quant.QuantPanels] | None:
         """The native path and packed weight that a matmul of `rows` rows by `weight` runs on, or None where
         torch's does."""
         if isinstance(weight, TunedWeight):
             path = weight.winners[bucket_index(rows)]
-            return None if path == "torch" else (path, weight.packed[cpu.weight_layout(path, weight.dtype)])
+            return None if path == "torch" else (path, weight.native(path))
         return (self.path, weight) if isinstance(weight, cpu.PackedWeight) else None
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -113,12 +125,16 @@ class Ops:
         return q
 
     def prepare(self, linear_weights: list[tuple[nn.Module, str]]) -> None:
-        """Swap each named linear weight for the forms its matmuls run on when the native kernels run."""
-        if not self.native:
+        """Swap each named linear weight for the forms its matmuls run on: quantised where the engine quantises,
+        packed for the native kernels where they run."""
+        if not self.native and self.quantization is None:
             return
         for module, name in linear_weights:
             weight = getattr(module, name).data
             module._parameters.pop(name, None)  # a tied head keeps the embedding registered under its own name
+            if self.quantization is not None:
+                setattr(module, name, self._quantized(weight))
+                continue
             if self.tuner is None:
                 setattr(module, name, cpu.pack_weight(weight, cpu.weight_layout(self.path, weight.dtype)))
                 continue
@@ -130,41 +146,68 @@ class Ops:
         if isinstance(timer, _LinearTimer):
             timer.release()
 
+    def _quantized(self, weight: torch.Tensor) -> TunedWeight:
+        """The weight quantised, packed for its timed choices (or for `path`, or for torch without native kernels)."""
+        qt = quant.quantize(weight, self.quantization, quant.scale_dtype(weight.dtype))
+        if not self.native:
+            winners = ("torch",) * len(BUCKETS)
+        elif self.tuner is None:
+            winners = (self.path,) * len(BUCKETS)
+        else:
+            winners = self.tuner.winners(*weight.shape)
+        packed = {}
+        if any(w != "torch" for w in winners):
+            packed["quant"] = quant.pack_panels(qt)
+        if "torch" in winners:
+            packed["int4pack"] = quant.pack_torch_int4(qt, weight.dtype)
+        return TunedWeight(packed, None, winners)
+
     def matmul_choices(self) -> dict[str, list[str]] | None:
         """What the autotuner chose per weight shape and bucket (None without one), for reports."""
         return self.tuner.choices() if self.tuner is not None else None
 
 
-def select_ops(mode: str, dtype: torch.dtype, device: str | torch.device) -> Ops:
+def select_ops(mode: str, dtype: torch.dtype, device: str | torch.device, quantization: str | None = None) -> Ops:
     assert mode in CPU_KERNEL_MODES, mode  # EngineConfig validated it
+    # int4 without the native kernels runs torch's int4 matmul; int8 has none (EngineConfig refuses that).
+    weights = f"{quantization} weights, " if quantization else ""
+    torch_matmul = "torch's int4 matmul" if quantization == "int4" else "torch ops"
     if mode == "off":
-        return Ops(False, "torch ops (cpu_kernels off)")
+        return Ops(False, f"{weights}{torch_matmul} (cpu_kernels off)", quantization=quantization)
     if torch.device(device).type != "cpu" or dtype not in cpu.DTYPES:
         if mode == "on":
             raise ValueError(f"cpu_kernels 'on' runs bfloat16/float32 models on the CPU, not {dtype} on {device}")
-        return Ops(False, f"torch ops (the native kernels cover bfloat16/float32 on the CPU, not {dtype} "
-                          f"on {device})")
+        return Ops(False, f"{weights}{torch_matmul} (the native kernels cover bfloat16/float32 on the CPU, not "
+                          f"{dtype} on {device})", quantization=quantization)
     reason = cpu.unavailable_reason()
     if reason is not None:
-        if mode == "on":
-            raise ValueError(f"cpu_kernels 'on' but the native kernels are unavailable: {reason}")
-        warnings.warn(f"native CPU kernels unavailable ({reason}); the model runs torch ops", stacklevel=2)
-        return Ops(False, f"torch ops (native CPU kernels unavailable: {reason})")
-    paths = cpu.matmul_paths(dtype)
+        if mode == "on" or quantization == "int8":
+            raise ValueError(f"cpu_kernels {mode!r}{' with int8 weights' if quantization else ''} but the native "
+                             f"kernels are unavailable: {reason}")
+        warnings.warn(f"native CPU kernels unavailable ({reason}); the model runs {torch_matmul}", stacklevel=2)
+        return Ops(False, f"{weights}{torch_matmul} (native CPU kernels unavailable: {reason})",
+                   quantization=quantization)
+    paths = quant.quant_paths() if quantization else cpu.matmul_paths(dtype)
     runnable = tuple(path for path, why in paths.items() if why is None)
     missing = "; ".join(f"{path}: {why}" for path, why in paths.items() if why is not None)
     lacking = f" (not here: {missing})" if missing else ""
     if mode == "on":
-        return Ops(True, f"native CPU kernels ({runnable[-1]} matmul with packed weights, paged decode "
-                         f"attention){lacking}", path=runnable[-1])
-    tuner = LinearTuner(machine_key(dtype, cpu.gemm_source()), _LinearTimer(dtype), (*runnable, "torch"))
-    return Ops(True, f"native CPU kernels (paged decode attention; per weight shape and batch size, the fastest of "
-                     f"{', '.join(runnable)} and torch's matmul, timed once: {tuner.path}){lacking}", tuner)
+        return Ops(True, f"native CPU kernels ({weights}{runnable[-1]} matmul with packed weights, paged decode "
+                         f"attention){lacking}", path=runnable[-1], quantization=quantization)
+    # torch's matmul is a candidate wherever it computes the same weights: always for float weights, for int4 ones
+    # through its int4 kernel (int8 groups it has none for).
+    candidates = (*runnable, "torch") if quantization != "int8" else runnable
+    source = cpu.gemm_source() if not quantization else quant.kernel_source(quantization)
+    tuner = LinearTuner(machine_key(dtype, source), _LinearTimer(dtype, quantization), candidates)
+    torch_named = {None: " and torch's matmul", "int4": " and torch's int4 matmul", "int8": ""}[quantization]
+    return Ops(True, f"native CPU kernels ({weights}paged decode attention; per weight shape and batch size, the "
+                     f"fastest of {', '.join(runnable)}{torch_named}, timed once: {tuner.path}){lacking}", tuner,
+               quantization=quantization)
 
 
 class _LinearTimer:
     """Times one call of a candidate matmul on random data of a weight's shape (the weights made once per shape,
-    the rows once per row count).
+    the rows once per row count), quantised as the engine quantises where it does.
 
     A decode step's matmuls (up to STREAMING_ROWS rows, the decode buckets) stream their weights from memory (a
     model's weights far exceed the caches), so those calls are timed with the weight evicted from every cache level
@@ -172,8 +215,8 @@ class _LinearTimer:
 
     STREAMING_ROWS = 64
 
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype, self._shape, self._weights, self._rows = dtype, None, {}, {}
+    def __init__(self, dtype: torch.dtype, quantization: str | None = None) -> None:
+        self.dtype, self.quantization, self._shape, self._weights, self._rows = dtype, quantization, None, {}, {}
         self._evict_buffer: torch.Tensor | None = None
 
     def release(self) -> None:
@@ -189,12 +232,24 @@ class _LinearTimer:
     def __call__(self, candidate: str, rows: int, out_features: int, in_features: int) -> float:
         if self._shape != (out_features, in_features):
             self._shape, self._rows = (out_features, in_features), {}
-            self._weights = {"torch": torch.randn(out_features, in_features).to(self.dtype)}
-        dense = self._weights["torch"]
+            dense = torch.randn(out_features, in_features).to(self.dtype)
+            self._weights = {"torch": dense}
+            if self.quantization is not None:
+                qt = quant.quantize(dense, self.quantization, quant.scale_dtype(self.dtype))
+                self._weights = {"quant": quant.pack_panels(qt)}
+                if self.quantization == "int4":
+                    self._weights["torch"] = quant.pack_torch_int4(qt, self.dtype)
         if rows not in self._rows:
             self._rows[rows] = torch.randn(rows, in_features).to(self.dtype)
         x = self._rows[rows]
         before = self._evict if rows <= self.STREAMING_ROWS else None
+        if self.quantization is not None:
+            if candidate == "torch":
+                weight = self._weights["torch"]
+                return timed_ms(lambda: quant.torch_int4_linear(x, weight), before)
+            panels = self._weights["quant"]
+            return timed_ms(lambda: quant.quant_linear(x, panels, None, candidate), before)
+        dense = self._weights["torch"]
         if candidate == "torch":
             return timed_ms(lambda: F.linear(x, dense), before)
         layout = cpu.weight_layout(candidate, self.dtype)

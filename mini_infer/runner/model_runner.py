@@ -30,7 +30,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, num_blocks: int, comm: Comm, device: torch.device) -> None:
         self.config, self.comm, self.device = config, comm, device
         mc, shard = config.model_config, comm.shard
-        self.ops = select_ops(config.cpu_kernels, config.torch_dtype, device)
+        self.ops = select_ops(config.cpu_kernels, config.torch_dtype, device, config.quantization)
         self.model = load_model(mc, Path(config.model), dtype=config.torch_dtype, device=device,
                                 max_positions=config.max_model_len, ops=self.ops, comm=comm)
         shape = (num_blocks, config.block_size, shard.num_kv_heads, mc.head_dim)

@@ -1,0 +1,231 @@
+"""Weight-only quantisation of linear weights: int8 and int4, group-wise along the input features.
+
+- int8: symmetric, w = q * scale per group of GROUP_SIZE["int8"] inputs, q in [-127, 127].
+- int4: asymmetric, w = (q - 8) * scale + zero per group of GROUP_SIZE["int4"] inputs, q in [0, 15] (torch's int4
+  form, so its `_weight_int4pack_mm_for_cpu` computes the same weights).
+
+A weight is quantised once into a `QuantizedTensor` (the integers and per-group scales, row-major), from which each
+matmul that can run it takes its own packed copy: mini-infer's kernel (cpu_gemm_quant.cpp, AVX2 or AVX-512: the
+integers widened in registers, float32 sums) reads `QuantPanels`; torch's int4 matmul reads `TorchInt4Pack`.
+Scales and zeros are rounded to the model's dtype where it is bfloat16 or float16 (stored as bfloat16 for a bf16
+model, 2 bytes per group and column), so that every candidate, torch's included, multiplies the same numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from mini_infer.config import QUANTIZATION_METHODS
+from mini_infer.kernels import cpu
+from mini_infer.kernels.build import KernelUnavailable
+
+# Inputs per scale. 32 as llama.cpp's Q8_0 / Q4_0 blocks: per output channel (int8) or groups of 128 (int4) gave
+# a larger mean KL divergence from the bf16 model than llama.cpp's formats of the same bits (docs/BENCHMARKS.md).
+GROUP_SIZE = {"int8": 32, "int4": 32}
+PANEL = 16  # output columns per panel (cpu_gemm_quant.cpp)
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedTensor:
+    """A quantised [N, K] weight, row-major: q [N, Kp] (int8 for int8; uint8 holding 0..15 for int4), scales and
+    zeros (int4 only, or None: 0) float32 [N, Kp / group]; Kp is K rounded up to a multiple of the group, the
+    padding's q (and so its weight) zero."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    bits: int
+    group: int
+    in_features: int
+    scale_dtype: torch.dtype  # the dtype whose values the scales and zeros hold (bf16, fp16 or fp32)
+
+    @property
+    def out_features(self) -> int:
+        return self.q.shape[0]
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K] this stands for: q * scale, or (q - 8) * scale + zero."""
+        scales = self.scales.repeat_interleave(self.group, dim=1)
+        if self.bits == 8:
+            weight = self.q.float() * scales
+        else:
+            zeros = self.zeros.repeat_interleave(self.group, dim=1) if self.zeros is not None else 0.0
+            weight = (self.q.float() - 8) * scales + zeros
+        return weight[:, : self.in_features]
+
+
+def scale_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a model of `dtype` keeps its scales (and zeros) in: its own where that is bf16 or fp16 (torch's int4
+    matmul multiplies them in the activations' dtype), else float32."""
+    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
+def kernel_source(method: str) -> str:
+    """What the autotuner's timings of `method` weights depend on besides the machine: the kernel, the scheme."""
+    source = (Path(cpu.__file__).parent / "cpu_gemm_quant.cpp").read_text()
+    return f"{source}\0{method} group {GROUP_SIZE[method]}"
+
+
+def quantize(weight: torch.Tensor, method: str, scale_dtype: torch.dtype) -> QuantizedTensor:
+    """Quantise a 2-d float weight by `method` (QUANTIZATION_METHODS), its scales (and zeros) rounded to `scale_dtype`."""
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {method!r}")
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"quantize takes a 2-d float weight, got {tuple(weight.shape)} {weight.dtype}")
+    group = GROUP_SIZE[method]
+    out_features, in_features = weight.shape
+    padded = -(-in_features // group) * group
+    w = F.pad(weight.float(), (0, padded - in_features)).view(out_features, padded // group, group)
+
+    def rounded(t: torch.Tensor) -> torch.Tensor:
+        return t.to(scale_dtype).float()
+
+    if method == "int8":
+        scales = rounded(w.abs().amax(dim=-1) / 127)
+        safe = torch.where(scales == 0, torch.ones_like(scales), scales)
+        q = torch.round(w / safe[..., None]).clamp_(-127, 127).to(torch.int8)
+        return QuantizedTensor(q.view(out_features, padded), scales, None, 8, group, in_features, scale_dtype)
+    low, high = w.amin(dim=-1), w.amax(dim=-1)
+    scales = rounded((high - low) / 15)
+    zeros = rounded(low + 8 * scales)  # q = 0 at the group's minimum
+    safe = torch.where(scales == 0, torch.ones_like(scales), scales)
+    q = torch.round((w - zeros[..., None]) / safe[..., None] + 8).clamp_(0, 15).to(torch.uint8)
+    return QuantizedTensor(q.view(out_features, padded), scales, zeros, 4, group, in_features, scale_dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class QuantPanels:
+    """A QuantizedTensor in cpu_gemm_quant.cpp's layout, in panels of 16 output columns: int8 q as k pairs
+    [P, Kp / 2, 16, 2]; int4 q as k quads of 32 bytes [P, Kp / 4, 32], byte 2c + t holding column c's k = 4s + t in
+    its low nibble and 4s + 2 + t in its high one; scales and zeros [P, Kp / group, 16] (bfloat16 where they hold
+    bf16 values, else float32)."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    bits: int
+    group: int
+    out_features: int
+    in_features: int
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.q, self.scales] + ([self.zeros] if self.zeros is not None else [])
+
+
+def _panels(t: torch.Tensor) -> torch.Tensor:
+    """[N, C, ...] -> [ceil(N / 16), C, 16, ...], columns past N zero."""
+    rows, cols, rest = t.shape[0], t.shape[1], t.shape[2:]
+    panels = -(-rows // PANEL)
+    padded = torch.cat([t, t.new_zeros(panels * PANEL - rows, cols, *rest)])
+    return padded.view(panels, PANEL, cols, *rest).transpose(1, 2).contiguous()
+
+
+def pack_panels(qt: QuantizedTensor) -> QuantPanels:
+    rows, padded = qt.q.shape
+    if qt.bits == 8:
+        q = _panels(qt.q.view(rows, padded // 2, 2))  # [P, Kp / 2, 16, 2]
+    else:
+        quads = qt.q.view(rows, padded // 4, 2, 2)  # [N, s, half, t]: k = 4s + 2 half + t
+        q = _panels(quads[:, :, 0] | (quads[:, :, 1] << 4))  # [P, s, 16, t] -> byte 2c + t of a quad
+        q = q.view(q.shape[0], padded // 4, 2 * PANEL)
+    stored = torch.bfloat16 if qt.scale_dtype == torch.bfloat16 else torch.float32
+    zeros = _panels(qt.zeros.to(stored)) if qt.zeros is not None else None
+    return QuantPanels(q, _panels(qt.scales.to(stored)), zeros, qt.bits, qt.group, qt.out_features,
+                       qt.in_features)
+
+
+@dataclass(frozen=True, slots=True)
+class TorchInt4Pack:
+    """A QuantizedTensor (int4) for torch's `_weight_int4pack_mm_for_cpu`, which needs N a multiple of 16 (the
+    rows past N are zero) and K a multiple of the group (x is padded with zeros where it is not); its scales and
+    zeros are in x's dtype."""
+
+    data: torch.Tensor
+    scales_and_zeros: torch.Tensor
+    group: int
+    out_features: int
+    in_features: int
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.data, self.scales_and_zeros]
+
+
+def torch_int4_available(qt: QuantizedTensor, dtype: torch.dtype) -> str | None:
+    """None where torch's int4 matmul computes exactly qt's weights for `dtype` activations, else why not."""
+    if qt.bits != 4:
+        return "torch has no CPU matmul for group-wise int8 weights (_weight_int8pack_mm scales per channel only)"
+    if qt.group not in (32, 64, 128, 256):
+        return f"torch's int4 matmul takes groups of 32, 64, 128 or 256, not {qt.group}"
+    values = torch.cat([qt.scales.flatten(), qt.zeros.flatten() if qt.zeros is not None else qt.scales[:0].flatten()])
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32) or not torch.equal(values.to(dtype).float(),
+                                                                                      values):
+        return f"torch's int4 matmul holds scales in the activations' dtype ({dtype}), which would round these"
+    return None
+
+
+def pack_torch_int4(qt: QuantizedTensor, dtype: torch.dtype) -> TorchInt4Pack:
+    reason = torch_int4_available(qt, dtype)
+    if reason is not None:
+        raise ValueError(reason)
+    rows = -(-qt.out_features // PANEL) * PANEL
+    q = F.pad(qt.q.to(torch.int32), (0, 0, 0, rows - qt.out_features), value=8)  # padding rows: weight 0
+    data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+    zeros = qt.zeros if qt.zeros is not None else torch.zeros_like(qt.scales)
+    pairs = torch.stack([qt.scales, zeros], dim=-1)  # [N, groups, 2]
+    pairs = F.pad(pairs, (0, 0, 0, 0, 0, rows - qt.out_features)).transpose(0, 1).contiguous().to(dtype)
+    return TorchInt4Pack(data, pairs, qt.group, qt.out_features, qt.in_features)
+
+
+def torch_int4_linear(x: torch.Tensor, weight: TorchInt4Pack, bias: torch.Tensor | None = None) -> torch.Tensor:
+    padded = weight.data.shape[1] * 2
+    if x.shape[-1] != padded:
+        x = F.pad(x, (0, padded - x.shape[-1]))
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), weight.data, weight.group,
+                                                     weight.scales_and_zeros)
+    if weight.data.shape[0] != weight.out_features:
+        out = out[:, : weight.out_features].contiguous()
+    return out if bias is None else out + bias
+
+
+# --- the native kernel -----------------------------------------------------------------------------------------
+
+# The native paths for quantised weights, named as the float ones (kernels/cpu.py): the AVX2 build (no prefetch),
+# the AVX-512BW and AVX512_VNNI builds with the weight stream prefetched NEAR (into L1) or FAR (into L2).
+QUANT_KERNELS = {"avx2": ("gemm_quant", 0), "avx512": ("gemm_quant_avx512", 0),
+                 "avx512/far": ("gemm_quant_avx512", 1), "avx512_vnni": ("gemm_quant_vnni", 0),
+                 "avx512_vnni/far": ("gemm_quant_vnni", 1)}
+
+
+def quant_paths() -> dict[str, str | None]:
+    """Each native path for quantised weights: None where it runs here, else why not."""
+    paths = {}
+    for path, (kernel, _) in QUANT_KERNELS.items():
+        try:
+            cpu.native_function(kernel)
+            paths[path] = None
+        except KernelUnavailable as e:
+            paths[path] = str(e)
+    return paths
+
+
+def quant_linear(x: torch.Tensor, weight: QuantPanels, bias: torch.Tensor | None = None,
+                 path: str = "avx2") -> torch.Tensor:
+    """x [M, K] (float32 or bfloat16) @ the dequantised weight.T + bias -> [M, N] in x's dtype, float32 sums."""
+    if x.dim() != 2 or x.shape[1] != weight.in_features or x.dtype not in cpu.DTYPE_CODES or path not in QUANT_KERNELS:
+        raise ValueError(f"quantised linear: x {tuple(x.shape)} {x.dtype} on path {path!r} does not match an int"
+                         f"{weight.bits} weight of {weight.out_features} x {weight.in_features}")
+    kernel, prefetch = QUANT_KERNELS[path]
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)
+    bias_args = (bias.contiguous().data_ptr(), cpu.DTYPE_CODES[bias.dtype]) if bias is not None else (None, 0)
+    zeros = weight.zeros.data_ptr() if weight.zeros is not None else None
+    if cpu.native_function(kernel)(x.data_ptr(), cpu.DTYPE_CODES[x.dtype], weight.q.data_ptr(), weight.scales.data_ptr(), zeros,
+                       cpu.DTYPE_CODES[weight.scales.dtype], weight.bits, weight.group, *bias_args, out.data_ptr(),
+                       cpu.DTYPE_CODES[x.dtype], x.shape[0], weight.out_features, x.shape[1], prefetch,
+                       torch.get_num_threads()):
+        raise ValueError(f"quantised linear: the kernel refused bits {weight.bits}, group {weight.group}")
+    return out

@@ -1,0 +1,225 @@
+"""Weight-only quantisation (kernels/quant.py, cpu_gemm_quant.cpp): the quantisers' error bounds, every kernel path
+and torch's int4 matmul against a float64 matmul by the dequantised weights, and quantised engines that batch,
+preempt, cache prefixes and chunk prefills without changing a request's tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import build_hf_model, save_hf_model
+from mini_infer import LLM, SamplingParams
+from mini_infer.config import EngineConfig
+from mini_infer.kernels import quant
+
+pytestmark = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+                                reason="the native kernels need AVX2 + FMA")
+
+PATHS = tuple(quant.QUANT_KERNELS)
+METHODS = ("int8", "int4")
+
+
+def skip_unless_runs(path: str) -> None:
+    why = quant.quant_paths()[path]
+    if why is not None:
+        pytest.skip(f"the {path} quantised matmul does not run here: {why}")
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cols,inner", [(5, 32), (33, 70), (64, 128)])
+def test_round_trip_error_is_within_half_a_step(method, scale_dtype, cols, inner):
+    """Each weight dequantises to within half a quantisation step of its group (plus the scale's rounding to its
+    dtype, which can push int8's largest weight one clamp past 127 steps), and the integers stay in range."""
+    gen = torch.Generator().manual_seed(cols * inner)
+    weight = torch.randn(cols, inner, generator=gen) * torch.rand(cols, 1, generator=gen) * 3
+    weight[0, :8] = 0.0  # part of a group at zero
+    qt = quant.quantize(weight, method, scale_dtype)
+    group = quant.GROUP_SIZE[method]
+    assert qt.q.shape == (cols, -(-inner // group) * group) and qt.group == group
+    steps = qt.scales.repeat_interleave(group, dim=1)[:, :inner]
+    error = (qt.dequantize() - weight).abs()
+    if method == "int8":
+        assert qt.q.dtype == torch.int8 and int(qt.q.abs().max()) <= 127 and qt.zeros is None
+        amax = weight.abs().view(cols, -1, group).amax(-1) if inner % group == 0 else None
+        slack = 0 if scale_dtype == torch.float32 else steps * 127 * 2 ** -8  # bf16 scale below amax / 127
+        assert (error <= steps / 2 + slack + 1e-6).all()
+        if amax is not None and scale_dtype == torch.float32:
+            assert torch.allclose(qt.scales, amax / 127)
+    else:
+        assert qt.q.dtype == torch.uint8 and int(qt.q.max()) <= 15 and qt.zeros is not None
+        # a rounded scale and zero move a weight by up to 15 of the scale's and one of the zero's roundings
+        slack = 0 if scale_dtype == torch.float32 else (steps * 24 + weight.abs().max()) * 2 ** -8
+        assert (error <= steps / 2 + slack + 1e-6).all()
+    assert torch.equal(qt.scales.to(scale_dtype).float(), qt.scales)  # held exactly in scale_dtype
+
+
+def test_unknown_method_is_refused():
+    with pytest.raises(ValueError, match="quantization must be one of int8, int4"):
+        quant.quantize(torch.ones(4, 4), "int3", torch.float32)
+
+
+# M: 1-5 rows (the tile shapes and their remainders), more; N: whole and partial panels, groups with remainders;
+# K: whole groups and K padded up to the group (x reads zeros there).
+SHAPES = [(1, 7, 32), (1, 200, 64), (1, 130, 896), (2, 50, 96), (3, 33, 40), (4, 90, 128), (5, 17, 200), (9, 300, 70),
+          (16, 64, 256), (33, 48, 36)]
+
+
+def reference_and_bound(x: torch.Tensor, qt: quant.QuantizedTensor, bias: torch.Tensor | None):
+    """The float64 product by the dequantised weights, and how far the kernel may be from it: x is rounded to int16
+    per group of the weight's (at most half of 2^-15 of the group's largest |x| per element), then float32 sums."""
+    weight = qt.dequantize().double()
+    xd = x.double()
+    expected = xd @ weight.T + (bias.double() if bias is not None else 0)
+    group = qt.group
+    padded = torch.nn.functional.pad(xd, (0, qt.q.shape[1] - x.shape[1]))
+    largest = padded.abs().view(x.shape[0], -1, group).amax(-1).repeat_interleave(group, dim=1)[:, : x.shape[1]]
+    rounding = (largest * 2.0 ** -15) @ weight.abs().T
+    float_error = (xd.abs() @ weight.abs().T + 1) * x.shape[1] * 2.0 ** -22
+    return expected, rounding + float_error
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("rows,cols,inner", SHAPES)
+def test_kernel_matches_float64_matmul_by_the_dequantised_weights(path, method, rows, cols, inner):
+    skip_unless_runs(path)
+    gen = torch.Generator().manual_seed(rows * 1000 + cols * 10 + inner)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(rows, inner, generator=gen).to(dtype)
+        x[0, : min(inner, 5)] *= 40  # a row whose groups span very different magnitudes
+        qt = quant.quantize(torch.randn(cols, inner, generator=gen), method, quant.scale_dtype(dtype))
+        bias = torch.randn(cols, generator=gen).to(dtype) if rows % 2 else None
+        out = quant.quant_linear(x, quant.pack_panels(qt), bias, path)
+        assert out.dtype == dtype and out.shape == (rows, cols)
+        expected, bound = reference_and_bound(x, qt, bias)
+        if dtype == torch.bfloat16:
+            bound = bound + expected.abs() * 2 ** -8  # the output's rounding to bf16
+        assert ((out.double() - expected).abs() <= bound).all(), (out.double() - expected).abs().max()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_kernel_rows_are_independent_of_the_batch(path):
+    """A row's result is the same bits whichever rows share the call (tile shapes differ with the row count): what
+    lets a quantised engine batch without changing a request's tokens."""
+    skip_unless_runs(path)
+    gen = torch.Generator().manual_seed(3)
+    for method in METHODS:
+        packed = quant.pack_panels(quant.quantize(torch.randn(70, 100, generator=gen), method, torch.float32))
+        x = torch.randn(11, 100, generator=gen)
+        together = quant.quant_linear(x, packed, None, path)
+        for rows in (slice(0, 1), slice(3, 5), slice(2, 9)):
+            assert torch.equal(quant.quant_linear(x[rows], packed, None, path), together[rows])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_int4_matmul_computes_the_same_weights(dtype):
+    gen = torch.Generator().manual_seed(5)
+    qt = quant.quantize(torch.randn(40, 70, generator=gen), "int4", quant.scale_dtype(dtype))
+    assert quant.torch_int4_available(qt, dtype) is None
+    x = torch.randn(3, 70, generator=gen).to(dtype)
+    out = quant.torch_int4_linear(x, quant.pack_torch_int4(qt, dtype))
+    expected = x.double() @ qt.dequantize().double().T
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    assert out.shape == (3, 40)
+    assert (out.double() - expected).abs().max() <= tolerance * (expected.abs().max() + 1)
+
+
+def test_torch_int4_refuses_what_it_would_round_and_int8_groups():
+    qt = quant.quantize(torch.randn(16, 32), "int4", torch.float32)
+    assert "round" in quant.torch_int4_available(qt, torch.bfloat16)
+    assert "int8" in quant.torch_int4_available(quant.quantize(torch.randn(16, 32), "int8", torch.float32),
+                                                torch.float32)
+    with pytest.raises(ValueError, match="round"):
+        quant.pack_torch_int4(qt, torch.bfloat16)
+
+
+@pytest.mark.parametrize("bits,group", [(3, 32), (8, 30), (4, 1024)])
+def test_kernel_refuses_bits_and_groups_out_of_range(bits, group):
+    skip_unless_runs("avx2")
+    packed = quant.pack_panels(quant.quantize(torch.randn(16, 32), "int8", torch.float32))
+    bad = quant.QuantPanels(packed.q, packed.scales, None, bits, group, 16, 32)
+    with pytest.raises(ValueError, match="refused"):
+        quant.quant_linear(torch.randn(1, 32), bad)
+
+
+@pytest.fixture(scope="module")
+def quant_model(tmp_path_factory):
+    model = build_hf_model(seed=7, vocab_size=500, hidden_size=96, num_attention_heads=6, num_key_value_heads=2,
+                           intermediate_size=200, tie_word_embeddings=True)
+    return str(save_hf_model(model.to(torch.float32), tmp_path_factory.mktemp("quant") / "model"))
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 47)), [7, 7, 7], list(range(100, 160)), [42] * 20]
+
+
+def alone(path: str, method: str) -> list[list[int]]:
+    llm = LLM(path, dtype="float32", quantization=method, cpu_kernels="on", enable_prefix_caching=False)
+    return [llm.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+            for p in PROMPTS]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_quantised_engine_batches_preempts_caches_and_chunks_as_each_request_alone(quant_model, method):
+    expected = alone(quant_model, method)
+    # 40 blocks of 4 force preemption; 16-token steps chunk every long prompt; the second wave hits the prefix cache.
+    llm = LLM(quant_model, dtype="float32", quantization=method, cpu_kernels="on", block_size=4, num_kv_blocks=40,
+              max_num_batched_tokens=16)
+    for wave in range(2):
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+    engine = llm.engine
+    assert engine.scheduler.num_preemptions > 0 and engine.kv_cache.prefix_hits > 0
+    assert engine.kv_cache.num_free_blocks == 40
+
+
+def test_quantised_weights_replace_the_float_ones(quant_model):
+    """Every projection and the LM head (a tied one too: its own quantised copy) is quantised; the embedding stays."""
+    llm = LLM(quant_model, dtype="float32", quantization="int4", cpu_kernels="on")
+    stats = llm.engine.memory_stats()[0]
+    assert "int4 weights" in stats["kernels"]
+    plain = LLM(quant_model, dtype="float32", cpu_kernels="on").engine.memory_stats()[0]
+    # int4 with float32 scales and zeros per 32: 6 bits per weight where float32 has 32; the embedding stays float32.
+    embedding = 500 * 96 * 4
+    assert stats["param_bytes"] - embedding < 0.25 * (plain["param_bytes"] - embedding)
+
+
+def test_quantised_decoder_stack_equals_the_per_op_path(quant_model, monkeypatch):
+    """The one-call decode step (kernels/decoder.py) runs the quantised kernels as the per-op path does: same tokens
+    and the same logprobs."""
+    from mini_infer.kernels.decoder import DecoderStack
+    from mini_infer.model.qwen2 import Qwen2ForCausalLM
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+
+    def run():
+        llm = LLM(quant_model, dtype="float32", quantization="int8", cpu_kernels="on")
+        out = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in out]
+
+    calls = []
+    stack_call = DecoderStack.__call__
+    monkeypatch.setattr(DecoderStack, "__call__", lambda self, *a: calls.append(1) or stack_call(self, *a))
+    stacked = run()
+    assert calls  # the decode steps ran through the stack
+    monkeypatch.setattr(Qwen2ForCausalLM, "_decoder_stack", lambda *args: None)
+    assert run() == stacked
+
+
+@pytest.mark.parametrize("settings,message", [
+    (dict(quantization="int3"), "quantization must be one of int8, int4"),
+    (dict(quantization="int8", cpu_kernels="off"), "int8' runs on mini-infer's native kernels only"),
+    (dict(quantization="int8", dtype="float16"), "int8' runs on mini-infer's native kernels only"),
+    (dict(quantization="int4", dtype="float64"), "runs bfloat16, float16 or float32 models on the CPU"),
+])
+def test_config_refuses_what_cannot_run(quant_model, settings, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model=quant_model, **settings)
+
+
+def test_int4_without_native_kernels_runs_torchs_int4_matmul(quant_model):
+    llm = LLM(quant_model, dtype="float32", quantization="int4", cpu_kernels="off")
+    assert "torch's int4 matmul" in llm.engine.memory_stats()[0]["kernels"]
+    out = llm.generate([{"prompt_token_ids": PROMPTS[1]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(out) == 10
