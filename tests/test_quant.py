@@ -174,15 +174,22 @@ def test_quantised_engine_batches_preempts_caches_and_chunks_as_each_request_alo
     assert engine.kv_cache.num_free_blocks == 40
 
 
-def test_quantised_weights_replace_the_float_ones(quant_model):
-    """Every projection and the LM head (a tied one too: its own quantised copy) is quantised; the embedding stays."""
-    llm = LLM(quant_model, dtype="float32", quantization="int4", cpu_kernels="on")
-    stats = llm.engine.memory_stats()[0]
-    assert "int4 weights" in stats["kernels"]
-    plain = LLM(quant_model, dtype="float32", cpu_kernels="on").engine.memory_stats()[0]
-    # int4 with float32 scales and zeros per 32: 6 bits per weight where float32 has 32; the embedding stays float32.
-    embedding = 500 * 96 * 4
-    assert stats["param_bytes"] - embedding < 0.25 * (plain["param_bytes"] - embedding)
+def test_quantised_weights_replace_the_float_ones(tmp_path):
+    """Every projection and the LM head (a tied one too: its own quantised copy) is quantised; the embedding stays. A
+    model whose every output size is a multiple of 128 (no padded panels): int4 layers hold 4 bits and a float32
+    scale and zero per 32 weights (6 bits), the int8 head 8 + 1 bits, against float32's 32."""
+    model = build_hf_model(seed=3, vocab_size=512, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=256, tie_word_embeddings=True)
+    path = str(save_hf_model(model.to(torch.float32), tmp_path / "model"))
+    stats = LLM(path, dtype="float32", quantization="int4", cpu_kernels="on").engine.memory_stats()[0]
+    plain = LLM(path, dtype="float32", cpu_kernels="on").engine.memory_stats()[0]
+    assert "int4 weights, LM head int8" in stats["kernels"]
+    norms_and_biases = 4 * (2 * (2 * 128 + 256) + 128)
+    embedding = 512 * 128 * 4
+    layers, head = 2 * (256 * 128 + 128 * 128 + 512 * 128 + 128 * 256), 512 * 128
+    quantised = stats["param_bytes"] - embedding - norms_and_biases
+    assert quantised == layers * 6 // 8 + head * 9 // 8
+    assert plain["param_bytes"] - embedding - norms_and_biases == 4 * (layers + head)  # the packed float head
 
 
 def test_quantised_decoder_stack_equals_the_per_op_path(quant_model, monkeypatch):
@@ -223,3 +230,18 @@ def test_int4_without_native_kernels_runs_torchs_int4_matmul(quant_model):
     assert "torch's int4 matmul" in llm.engine.memory_stats()[0]["kernels"]
     out = llm.generate([{"prompt_token_ids": PROMPTS[1]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     assert len(out) == 10
+
+
+@pytest.mark.parametrize("method,kernels,head_bits", [("int8", "on", 8), ("int4", "on", 8), ("int4", "auto", 8),
+                                                      ("int4", "off", 4)])
+def test_the_lm_head_is_int8_where_the_native_kernels_run(quant_model, method, kernels, head_bits):
+    """int4 models keep the (tied) LM head in int8 (quant.HEAD_METHOD); torch's int4 matmul has no int8 one."""
+    model = LLM(quant_model, dtype="float32", quantization=method, cpu_kernels=kernels).engine.runner.model
+    layer_bits = {"int8": 8, "int4": 4}[method]
+
+    def bits(weight):
+        packed = weight.packed.get("quant")
+        return packed.bits if packed is not None else 4  # torch's int4 form
+
+    assert bits(model.lm_head) == head_bits and bits(model.layers[0].mlp.down_proj) == layer_bits
+    assert model.embed_tokens.dtype == torch.float32  # the embedding lookup stays in the model's dtype

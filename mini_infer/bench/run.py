@@ -7,6 +7,7 @@ import time
 
 from mini_infer.bench.charts import chart
 from mini_infer.bench.features import LONG_PROMPT, SHARED_PREFIX
+from mini_infer.bench.kl import KL
 from mini_infer.bench.options import BenchOptions
 from mini_infer.bench.parallel import PARALLEL
 from mini_infer.bench.report import Workload, describe_machine, format_table, machine_info, versions, write_json
@@ -16,7 +17,7 @@ from mini_infer.kernels.autotune import describe_choices
 
 WORKLOADS = {  # one per options.WORKLOADS name
     "fixed": FIXED, "prefill": PREFILL, "random": RANDOM, "parallel": PARALLEL, "shared-prefix": SHARED_PREFIX,
-    "long-prompt": LONG_PROMPT}
+    "long-prompt": LONG_PROMPT, "kl": KL}
 
 
 def _log(message: str) -> None:

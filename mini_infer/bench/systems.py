@@ -8,24 +8,31 @@ counted the same way for every system, from the generated token ids.
 
 from __future__ import annotations
 
+import gc
 import itertools
+import os
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mini_infer.bench.peers import PEER_NAMES, build_peer
+from mini_infer.bench.peers import PEER_NAMES, build_peer, process_rss
 from mini_infer.bench.report import RunResult
 from mini_infer.config import EngineConfig
 from mini_infer.engine.data_parallel import create_engine
 from mini_infer.sampling_params import RequestOutputKind, SamplingParams
 
 DEFAULT_SYSTEMS = ("hf-generate", "hf-continuous", "mini-infer")
+# The weight-only quantised systems (`bench --quantization`): mini-infer quantised at load, llama.cpp's GGUF of the
+# same bits. Each names its base system and the type.
+QUANTIZED_SYSTEMS = {"mini-infer-int8": ("mini-infer", "int8"), "mini-infer-int4": ("mini-infer", "int4"),
+                     "llama.cpp-q8_0": ("llama.cpp", "q8_0"), "llama.cpp-q4_0": ("llama.cpp", "q4_0")}
+GGUF_TYPE = {"int8": "q8_0", "int4": "q4_0"}  # llama.cpp's format of the same bits as mini-infer's method
 # mini-infer-torch: mini-infer with cpu_kernels=off (torch ops only), the floor its own kernels must beat.
-SYSTEM_NAMES = (*DEFAULT_SYSTEMS, "mini-infer-torch", *PEER_NAMES)
+SYSTEM_NAMES = (*DEFAULT_SYSTEMS, "mini-infer-torch", *PEER_NAMES, *QUANTIZED_SYSTEMS)
 # Run where the installed transformers supports them, or where the peer can be set up; otherwise skipped with the
 # reason.
-OPTIONAL_SYSTEMS = ("hf-continuous", *PEER_NAMES)
+OPTIONAL_SYSTEMS = ("hf-continuous", *PEER_NAMES, "llama.cpp-q8_0", "llama.cpp-q4_0")
 
 
 def greedy(max_tokens: int, kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> SamplingParams:
@@ -39,7 +46,14 @@ class MiniInferSystem:
     seen."""
 
     def __init__(self, model_dir: str, engine_args: dict) -> None:
+        gc.collect()
+        before = process_rss(os.getpid())
         self.engine = create_engine(EngineConfig(model=model_dir, **engine_args))
+        gc.collect()
+        after = process_rss(os.getpid())
+        # What building the engine left resident in this process (its weights, what it allocated; the float weights
+        # it quantised from are freed by then).
+        self.rss_growth = after - before if before is not None and after is not None else None
         self._request_ids = itertools.count()
 
     def run(self, prompts: list[list[int]], output_lens: list[int]) -> RunResult:
@@ -61,7 +75,8 @@ class MiniInferSystem:
         """The kernels the engine's model runs (rank 0 of replica 0): note and autotuned matmul choices."""
         stats = self.engine.memory_stats()[0]
         return {"summary": f"kernels: {stats['kernels']}", "kernels": stats["kernels"],
-                "matmul_choices": stats["matmul_choices"]}
+                "matmul_choices": stats["matmul_choices"], "weight_bytes": stats["param_bytes"],
+                "rss_bytes": self.rss_growth}
 
     def close(self) -> None:
         self.engine.shutdown()
@@ -84,14 +99,15 @@ class SystemFactory:
         self._hf_model = None
 
     def build(self, name: str):
-        if name in PEER_NAMES:
-            return build_peer(name, self.model_dir, self.dtype, max_requests=self.max_requests,
-                              max_seq_len=self.max_seq_len, gguf_outtype=self.gguf_outtype, log=self.log)
-        if name in ("mini-infer", "mini-infer-torch"):
+        base, kind = QUANTIZED_SYSTEMS.get(name, (name, None))
+        if base in PEER_NAMES:
+            return build_peer(base, self.model_dir, self.dtype, max_requests=self.max_requests,
+                              max_seq_len=self.max_seq_len, gguf_outtype=kind or self.gguf_outtype, log=self.log)
+        if base in ("mini-infer", "mini-infer-torch"):
             # Prefix caching off: the timed runs repeat the warm-up's prompts, and reusing their K/V would skip
             # prefill work that the HF systems must do (the shared-prefix workload measures the cache itself).
             return MiniInferSystem(self.model_dir, dict(dtype=self.dtype, max_num_seqs=max(256, self.max_requests),
-                                                        enable_prefix_caching=False,
+                                                        enable_prefix_caching=False, quantization=kind,
                                                         cpu_kernels="off" if name == "mini-infer-torch" else "auto"))
         from mini_infer.bench import hf  # only here: nothing else loads transformers' modeling code
 

@@ -45,6 +45,10 @@ def run_fixed(options: BenchOptions, model_dir: str, log: Callable[[str], None])
                       "results": [_batch_result(b, record["runs"][f"B={b}"], b * new_tokens, points[b].tok_s)
                                   for b in options.batch_sizes] if record["reason"] is None else []}
                for name, record in records.items()}
+    for system in systems.values():  # what the system holds in memory, beside each of its results
+        setup = system["setup"] or {}
+        for result in system["results"]:
+            result.update({key: setup[key] / 1e6 for key in ("weight_bytes", "rss_bytes") if setup.get(key)})
     base = {r["batch_size"]: r["tok_s"]["median"] for r in systems.get(BASELINE, {}).get("results", [])}
     for system in systems.values():
         for result in system["results"]:
@@ -73,10 +77,14 @@ def _compute_ceiling(ceilings: dict) -> str:
 
 def _fixed_headline(report: dict) -> list[str]:
     config, ceilings = report["config"], report["ceilings"]
-    return [f"{config['model']} ({config['dtype']}), {config['prompt_len']} prompt + {config['max_new_tokens']} "
-            f"new tokens per request, {config['reps']} reps",
-            f"ceilings: {_compute_ceiling(ceilings)}, memory read {ceilings['read_gbs']:.1f} GB/s; a decode step reads "
-            f"{report['decode_cost']['weight_bytes'] / 1e6:.0f} MB of weights"]
+    lines = [f"{config['model']} ({config['dtype']}), {config['prompt_len']} prompt + {config['max_new_tokens']} "
+             f"new tokens per request, {config['reps']} reps",
+             f"ceilings: {_compute_ceiling(ceilings)}, memory read {ceilings['read_gbs']:.1f} GB/s; a decode step "
+             f"reads {report['decode_cost']['weight_bytes'] / 1e6:.0f} MB of {config['dtype']} weights (the roofline)"]
+    if any("weight_bytes" in r for s in report["systems"].values() for r in s["results"]):
+        lines.append("weights MB: the weights a system holds (mini-infer's tensors, llama.cpp's GGUF file); RSS MB: what "
+                     "building mini-infer's engine left resident in the bench's process, a peer worker's resident set")
+    return lines
 
 
 def _fixed_rows(report: dict) -> list[dict]:
@@ -212,7 +220,8 @@ def _random_chart(report: dict) -> tuple[str, list[Panel]]:
 FIXED = Workload(run_fixed, _fixed_headline, (
     Column("system", "system"), Column("batch", "batch_size"), Column("tok/s", "tok_s", "{0[median]:.1f}"),
     Column("min-max", "spread", "{0[min]:.1f}-{0[max]:.1f}"), Column("% roofline", "pct_of_roofline", "{:.0f}%"),
-    VS_BASELINE), _fixed_rows, _fixed_chart)
+    VS_BASELINE, Column("weights MB", "weight_bytes", "{:.0f}"), Column("RSS MB", "rss_bytes", "{:.0f}")),
+    _fixed_rows, _fixed_chart)
 RANDOM = Workload(run_random, _random_headline, (
     Column("system", "system"), Column("output tok/s", "output_tok_s", "{0[median]:.1f}"),
     Column("total tok/s", "total_tok_s", "{0[median]:.1f}"),

@@ -5,14 +5,16 @@
 // Formats (kernels/quant.py packs them), for each group of G consecutive k of a column n:
 //  - int8: w[n, k] = q[n, k] * scale[n, g], q signed 8-bit (symmetric).
 //  - int4: w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g], q an unsigned nibble (zero null: 0).
-// Layouts, in panels of 16 output columns (columns past N are zero): int8 q [ceil(N / 16), Kp / 2, 16, 2] int8
-// (k pairs, as vpmaddwd reads them once widened to int16); int4 q [ceil(N / 16), Kp / 4, 32] bytes where byte
-// 2c + t of a k quad s holds q[c, 4s + t] in its low nibble and q[c, 4s + 2 + t] in its high one (so a mask gives
-// the pair (4s, 4s + 1) of 16 columns and a shift the pair (4s + 2, 4s + 3)); scale and zero [ceil(N / 16), Kp / G,
-// 16] float32 or bfloat16 (scale_dtype). Kp: K rounded up to a multiple of G (the weights past K are zero).
+// Layouts, in panels of 16 output columns (columns past N are zero), in steps of 64 bytes: 4 bytes per column of
+// 4 k (int8: bytes k, k + 2, k + 1, k + 3) or 8 k (int4: nibble d / 2 holds k + d for even d, 4 + d / 2 for odd d),
+// so that in-lane shifts give int16 (k, k + 1) pairs; each block of 8 panels (the last padded with zero panels)
+// stores its panels' steps in turn, so that a tile of 8 panels at one row reads one sequential stream:
+// q [ceil(N / 128), Kp / 4 or Kp / 8, 8, 16, 4] bytes; scale and zero likewise by blocks of 8 panels,
+// [ceil(N / 128), Kp / G, 8, 16] float32 or bfloat16 (scale_dtype). Kp: K rounded up to a multiple of G (the
+// weights past K are zero).
 //
 // The products are integer: each row of x is rounded to int16 per group of G, x[m, k] ~ xq[m, k] * 2^e[m, g], with
-// the power of two that puts the group's largest |x| in [2^14, 2^15) (a bf16 x within 2^-7 of its group's largest
+// the power of two that puts the group's largest |x| in [2^14, 2^15) (a bf16 x at least 2^-7 of its group's largest
 // is exact; the rounding error is at most 2^-16 of the group's largest). A group's sum of xq * q (at most
 // G * 2^15 * 127 < 2^31 for G <= 512) is widened to float32 and added to the accumulator times scale * 2^e, and for
 // int4 x's float32 group sum times (zero - 8 * scale). Tiles of MR rows by NP panels; threads split the panels.
@@ -32,6 +34,7 @@ enum DType : int { F32 = 0, BF16 = 1 };
 enum Bits : int { INT4 = 4, INT8 = 8 };
 enum Prefetch : int { NEAR = 0, FAR = 1 };  // as cpu_gemm_avx512.cpp's; the AVX2 build prefetches nothing
 constexpr int PANEL = 16;
+constexpr int INTERLEAVE = 8;  // panels whose steps alternate in memory (one stream where a tile reads them all)
 constexpr int MAX_GROUP = 512;
 
 #if QUANT_AVX512
@@ -57,15 +60,22 @@ inline VI dot(VI acc, VI w, VI x) {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
 #endif
 }
-// One k pair of a panel's int8 columns (32 bytes) as int16 pairs.
-inline void int8_pairs(const int8_t* p, VI* w) {
-    w[0] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+// One step of a panel (64 bytes: 16 columns x 4 bytes) as int16 k pairs, with in-lane shifts only (a widening
+// shuffle across the register runs at half the rate on a Zen 4). int8: column c's bytes are k, k + 2, k + 1, k + 3,
+// so the low bytes of its two 16-bit lanes are the pair (k, k + 1) and the high bytes (k + 2, k + 3).
+inline void int8_pairs(const uint8_t* p, VI* w) {
+    const __m512i v = _mm512_loadu_si512(p);
+    w[0] = _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8);
+    w[1] = _mm512_srai_epi16(v, 8);
 }
-// One k quad of a panel's int4 columns (32 bytes): the pairs (4s, 4s + 1) and (4s + 2, 4s + 3).
-inline void int4_pairs(const uint8_t* p, VI* low, VI* high) {
-    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    low[0] = _mm512_and_si512(v, _mm512_set1_epi16(15));
-    high[0] = _mm512_srli_epi16(v, 4);
+// int4: column c's 32-bit word holds k + d in nibble d / 2 (d even) or 4 + d / 2 (d odd), so nibble i of each
+// 16-bit lane, for i = 0 .. 3, is the pair (k + 2i, k + 2i + 1).
+inline void int4_pairs(const uint8_t* p, VI* w) {
+    const __m512i v = _mm512_loadu_si512(p), nibble = _mm512_set1_epi16(15);
+    w[0] = _mm512_and_si512(v, nibble);
+    w[1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+    w[2] = _mm512_and_si512(_mm512_srli_epi16(v, 8), nibble);
+    w[3] = _mm512_srli_epi16(v, 12);
 }
 inline void scale_columns(const void* p, int dtype, VF* s) {
     if (dtype == BF16) {
@@ -76,10 +86,21 @@ inline void scale_columns(const void* p, int dtype, VF* s) {
     }
 }
 inline void store16(float* dst, const VF* v) { _mm512_storeu_ps(dst, v[0]); }
-// The weight stream ahead of a step's 32 bytes, one cache line per two steps (`line`: the step's first half).
+inline float reduce_max(VF v) { return _mm512_reduce_max_ps(v); }
+inline float reduce_add(VF v) { return _mm512_reduce_add_ps(v); }
+inline VF vabs(VF v) { return _mm512_abs_ps(v); }
+inline VF vmax(VF a, VF b) { return _mm512_max_ps(a, b); }
+inline VF vadd(VF a, VF b) { return _mm512_add_ps(a, b); }
+inline VF vload_f(const float* p) { return _mm512_loadu_ps(p); }
+// LANES floats times `scale`, rounded to nearest even, clamped to [-32767, 32767], stored as int16.
+inline void store_rounded(int16_t* dst, VF v, VF scale) {
+    __m512i i = _mm512_cvtps_epi32(_mm512_mul_ps(v, scale));
+    i = _mm512_min_epi32(_mm512_max_epi32(i, _mm512_set1_epi32(-32767)), _mm512_set1_epi32(32767));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(i));
+}
+// The weight stream ahead of a step's cache line.
 template <int PF>
-inline void prefetch(const void* p, int64_t step_bytes, bool line) {
-    if (!line) return;
+inline void prefetch(const void* p, int64_t step_bytes) {
     if constexpr (PF == NEAR) _mm_prefetch(static_cast<const char*>(p) + 64 * step_bytes, _MM_HINT_T0);
     else _mm_prefetch(static_cast<const char*>(p) + 512 * step_bytes, _MM_HINT_T1);
 }
@@ -99,15 +120,22 @@ inline VI pair_broadcast(const int16_t* x) {
     return _mm256_set1_epi32(pair);
 }
 inline VI dot(VI acc, VI w, VI x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x)); }
-inline void int8_pairs(const int8_t* p, VI* w) {
-    w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
-}
-inline void int4_pairs(const uint8_t* p, VI* low, VI* high) {
+// As the AVX-512 ones (above), for each half of the panel (columns 0-7, then 8-15): w[pair * L + half].
+inline void int8_pairs(const uint8_t* p, VI* w) {
     for (int h = 0; h < 2; ++h) {
-        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h)));
-        low[h] = _mm256_and_si256(v, _mm256_set1_epi16(15));
-        high[h] = _mm256_srli_epi16(v, 4);
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
+        w[h] = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);
+        w[2 + h] = _mm256_srai_epi16(v, 8);
+    }
+}
+inline void int4_pairs(const uint8_t* p, VI* w) {
+    const __m256i nibble = _mm256_set1_epi16(15);
+    for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
+        w[h] = _mm256_and_si256(v, nibble);
+        w[2 + h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        w[4 + h] = _mm256_and_si256(_mm256_srli_epi16(v, 8), nibble);
+        w[6 + h] = _mm256_srli_epi16(v, 12);
     }
 }
 inline void scale_columns(const void* p, int dtype, VF* s) {
@@ -124,8 +152,28 @@ inline void store16(float* dst, const VF* v) {
     _mm256_storeu_ps(dst, v[0]);
     _mm256_storeu_ps(dst + 8, v[1]);
 }
+inline float reduce_max(VF v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+inline float reduce_add(VF v) {
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_add_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+inline VF vabs(VF v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v); }
+inline VF vmax(VF a, VF b) { return _mm256_max_ps(a, b); }
+inline VF vadd(VF a, VF b) { return _mm256_add_ps(a, b); }
+inline VF vload_f(const float* p) { return _mm256_loadu_ps(p); }
+inline void store_rounded(int16_t* dst, VF v, VF scale) {
+    __m256i i = _mm256_cvtps_epi32(_mm256_mul_ps(v, scale));
+    i = _mm256_min_epi32(_mm256_max_epi32(i, _mm256_set1_epi32(-32767)), _mm256_set1_epi32(32767));
+    const __m128i packed = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), packed);
+}
 template <int PF>
-inline void prefetch(const void*, int64_t, bool) {}
+inline void prefetch(const void*, int64_t) {}
 #endif
 constexpr int L = PANEL / LANES;  // vectors per panel
 
@@ -164,12 +212,16 @@ inline void tile(const Problem& p, int m0, int panel0) {
 #pragma GCC unroll 2
             for (int h = 0; h < L; ++h) acc[i][j][h] = fzero();
     const int groups = p.Kp / p.G;
-    constexpr int64_t STEP_BYTES = 32;  // a panel's bytes per k pair (int8) or k quad (int4)
-    constexpr int STEP_K = BITS == INT8 ? 2 : 4;
-    const int64_t panel_bytes = static_cast<int64_t>(p.Kp) * PANEL * BITS / 8;
-    const uint8_t* q = static_cast<const uint8_t*>(p.q) + panel0 * panel_bytes;
+    constexpr int64_t STEP_BYTES = 64;  // a panel's bytes per step: 4 k (int8) or 8 k (int4) of 16 columns
+    constexpr int STEP_K = BITS == INT8 ? 4 : 8, PAIRS = STEP_K / 2;
+    // Panel j's step s: in its block of INTERLEAVE panels, at s * INTERLEAVE * STEP_BYTES + (j % INTERLEAVE) * STEP_BYTES.
+    const int64_t block_bytes = static_cast<int64_t>(p.Kp) * PANEL * BITS / 8 * INTERLEAVE;
+    const uint8_t* base[NP];
+#pragma GCC unroll 8
+    for (int j = 0; j < NP; ++j)
+        base[j] = static_cast<const uint8_t*>(p.q) + (panel0 + j) / INTERLEAVE * block_bytes +
+                  (panel0 + j) % INTERLEAVE * STEP_BYTES;
     const int scale_size = p.scale_dtype == BF16 ? 2 : 4;
-    const int64_t panel_scales = static_cast<int64_t>(groups) * PANEL;
     const int16_t* x = p.x + static_cast<int64_t>(m0) * p.Kp;
     for (int g = 0; g < groups; ++g) {
         VI sum[MR][NP][L];
@@ -180,45 +232,33 @@ inline void tile(const Problem& p, int m0, int panel0) {
 #pragma GCC unroll 2
                 for (int h = 0; h < L; ++h) sum[i][j][h] = izero();
         for (int k = g * p.G; k < (g + 1) * p.G; k += STEP_K) {
-            const int64_t offset = static_cast<int64_t>(k / STEP_K) * STEP_BYTES;
-            const bool line = (k / STEP_K) % 2 == 0;
-            if constexpr (BITS == INT8) {
-                VI w[NP][L];
+            const int64_t at = static_cast<int64_t>(k / STEP_K) * STEP_BYTES * INTERLEAVE;
+            // x's pairs first, then one panel at a time (its weights used at once: all of them live at once spilled
+            // registers at one row, 8 panels x 4 pairs).
+            VI xv[MR][PAIRS];
 #pragma GCC unroll 8
-                for (int j = 0; j < NP; ++j) {
-                    prefetch<PF>(q + j * panel_bytes + offset, STEP_BYTES, line);
-                    int8_pairs(reinterpret_cast<const int8_t*>(q + j * panel_bytes + offset), w[j]);
-                }
+            for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+                for (int t = 0; t < PAIRS; ++t) xv[i][t] = pair_broadcast(x + static_cast<int64_t>(i) * p.Kp + k + 2 * t);
 #pragma GCC unroll 8
-                for (int i = 0; i < MR; ++i) {
-                    const VI xv = pair_broadcast(x + static_cast<int64_t>(i) * p.Kp + k);
+            for (int j = 0; j < NP; ++j) {
+                VI w[PAIRS * L];
+                prefetch<PF>(base[j] + at, STEP_BYTES);
+                if constexpr (BITS == INT8) int8_pairs(base[j] + at, w);
+                else int4_pairs(base[j] + at, w);
 #pragma GCC unroll 8
-                    for (int j = 0; j < NP; ++j)
+                for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+                    for (int t = 0; t < PAIRS; ++t)
 #pragma GCC unroll 2
-                        for (int h = 0; h < L; ++h) sum[i][j][h] = dot(sum[i][j][h], w[j][h], xv);
-                }
-            } else {
-                VI low[NP][L], high[NP][L];
-#pragma GCC unroll 8
-                for (int j = 0; j < NP; ++j) {
-                    prefetch<PF>(q + j * panel_bytes + offset, STEP_BYTES, line);
-                    int4_pairs(q + j * panel_bytes + offset, low[j], high[j]);
-                }
-#pragma GCC unroll 8
-                for (int i = 0; i < MR; ++i) {
-                    const VI x0 = pair_broadcast(x + static_cast<int64_t>(i) * p.Kp + k);
-                    const VI x1 = pair_broadcast(x + static_cast<int64_t>(i) * p.Kp + k + 2);
-#pragma GCC unroll 8
-                    for (int j = 0; j < NP; ++j)
-#pragma GCC unroll 2
-                        for (int h = 0; h < L; ++h)
-                            sum[i][j][h] = dot(dot(sum[i][j][h], low[j][h], x0), high[j][h], x1);
-                }
+                        for (int h = 0; h < L; ++h) sum[i][j][h] = dot(sum[i][j][h], w[t * L + h], xv[i][t]);
             }
         }
 #pragma GCC unroll 8
         for (int j = 0; j < NP; ++j) {
-            const int64_t at = (panel0 + j) * panel_scales + static_cast<int64_t>(g) * PANEL;
+            const int panel = panel0 + j;
+            const int64_t at = ((static_cast<int64_t>(panel / INTERLEAVE) * groups + g) * INTERLEAVE +
+                                panel % INTERLEAVE) * PANEL;
             VF s[L], offset[L];
             scale_columns(static_cast<const char*>(p.scale) + at * scale_size, p.scale_dtype, s);
             if constexpr (BITS == INT4) {
@@ -303,12 +343,12 @@ inline float load_scalar(const void* data, int dtype, int64_t i) {
 }  // namespace
 
 // x [M, K] float32 or bfloat16; q, scale, zero as above (zero: int4 only, or null); bits 8 or 4; group G (a multiple
-// of 4, at most 512) divides Kp = K rounded up to a multiple of G. Returns 0, or 1 (nothing written) where bits, G or
+// of 8, at most 512) divides Kp = K rounded up to a multiple of G. Returns 0, or 1 (nothing written) where bits, G or
 // the dtypes are out of range.
 extern "C" int gemm_quant(const void* x, int x_dtype, const void* q, const void* scale, const void* zero,
                           int scale_dtype, int bits, int G, const void* bias, int bias_dtype, void* out, int out_dtype,
                           int M, int N, int K, int prefetch_mode, int threads) {
-    if ((bits != INT8 && bits != INT4) || G < 4 || G % 4 || G > MAX_GROUP || M < 0 || N < 1 || K < 1 ||
+    if ((bits != INT8 && bits != INT4) || G < 8 || G % 8 || G > MAX_GROUP || M < 0 || N < 1 || K < 1 ||
         (bits == INT8 && zero))
         return 1;
     for (int dtype : {x_dtype, scale_dtype, out_dtype})
@@ -317,16 +357,36 @@ extern "C" int gemm_quant(const void* x, int x_dtype, const void* q, const void*
     const int Kp = (K + G - 1) / G * G, groups = Kp / G;
     std::vector<int16_t> xq(static_cast<size_t>(M) * Kp, 0);
     std::vector<float> unit(static_cast<size_t>(M) * groups), xsum(bits == INT4 ? unit.size() : 0);
-    float row[MAX_GROUP];
-#pragma omp parallel for num_threads(threads) private(row) if (static_cast<int64_t>(M) * K >= 65536)
+    // x rounded to int16 per group (x as float32 rows of Kp first, zero past K; G is a multiple of 8, so whole
+    // vectors of LANES where G allows, else one element at a time).
+    std::vector<float> x32(static_cast<size_t>(M) * Kp, 0.0f);
+    for (int m = 0; m < M; ++m) {
+        float* row = x32.data() + static_cast<size_t>(m) * Kp;
+        if (x_dtype == BF16)
+            for (int k = 0; k < K; ++k) row[k] = bf16_to_f32(static_cast<const uint16_t*>(x)[static_cast<int64_t>(m) * K + k]);
+        else
+            memcpy(row, static_cast<const float*>(x) + static_cast<int64_t>(m) * K, sizeof(float) * K);
+    }
+    const bool whole = G % LANES == 0;
+#pragma omp parallel for num_threads(threads) if (static_cast<int64_t>(M) * K >= 65536)
     for (int m = 0; m < M; ++m)
         for (int g = 0; g < groups; ++g) {
+            const float* row = x32.data() + static_cast<size_t>(m) * Kp + g * G;
             float largest = 0.0f, total = 0.0f;
-            for (int t = 0; t < G; ++t) {
-                const int k = g * G + t;
-                row[t] = k < K ? load_scalar(x, x_dtype, static_cast<int64_t>(m) * K + k) : 0.0f;
-                largest = fmaxf(largest, fabsf(row[t]));
-                total += row[t];
+            if (whole) {
+                VF high = fzero(), sum = fzero();
+                for (int t = 0; t < G; t += LANES) {
+                    const VF v = vload_f(row + t);
+                    high = vmax(high, vabs(v));
+                    sum = vadd(sum, v);
+                }
+                largest = reduce_max(high);
+                total = reduce_add(sum);
+            } else {
+                for (int t = 0; t < G; ++t) {
+                    largest = fmaxf(largest, fabsf(row[t]));
+                    total += row[t];
+                }
             }
             // 2^e with largest / 2^e in [2^14, 2^15): frexp gives largest = f * 2^E, f in [0.5, 1).
             int exponent = 0;
@@ -336,9 +396,14 @@ extern "C" int gemm_quant(const void* x, int x_dtype, const void* q, const void*
             unit[at] = step;
             if (bits == INT4) xsum[at] = total;
             int16_t* dst = xq.data() + static_cast<size_t>(m) * Kp + g * G;
-            for (int t = 0; t < G; ++t) {
-                const float v = nearbyintf(row[t] / step);
-                dst[t] = static_cast<int16_t>(v > 32767.0f ? 32767.0f : (v < -32767.0f ? -32767.0f : v));
+            if (whole) {
+                const VF inverse = fset1(1.0f / step);  // a power of two: exact
+                for (int t = 0; t < G; t += LANES) store_rounded(dst + t, vload_f(row + t), inverse);
+            } else {
+                for (int t = 0; t < G; ++t) {
+                    const float v = nearbyintf(row[t] / step);
+                    dst[t] = static_cast<int16_t>(v > 32767.0f ? 32767.0f : (v < -32767.0f ? -32767.0f : v));
+                }
             }
         }
     std::vector<float> bias32;

@@ -26,7 +26,12 @@ from mini_infer.kernels.build import KernelUnavailable
 # Inputs per scale. 32 as llama.cpp's Q8_0 / Q4_0 blocks: per output channel (int8) or groups of 128 (int4) gave
 # a larger mean KL divergence from the bf16 model than llama.cpp's formats of the same bits (docs/BENCHMARKS.md).
 GROUP_SIZE = {"int8": 32, "int4": 32}
+# The LM head's method: int4 models keep it in int8, as llama.cpp's Q4_0 keeps its output tensor at 6-8 bits: with
+# the head in int4 too, the top-1 token differed from the bf16 model's at 75 % of positions against Q4_0's 69 %
+# (KL 0.039 against 0.048; docs/BENCHMARKS.md). Only where the native kernels run (torch has no int8 group matmul).
+HEAD_METHOD = {"int8": "int8", "int4": "int8"}
 PANEL = 16  # output columns per panel (cpu_gemm_quant.cpp)
+INTERLEAVE = 8  # panels whose steps alternate in memory (cpu_gemm_quant.cpp)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,10 +104,11 @@ def quantize(weight: torch.Tensor, method: str, scale_dtype: torch.dtype) -> Qua
 
 @dataclass(frozen=True, slots=True)
 class QuantPanels:
-    """A QuantizedTensor in cpu_gemm_quant.cpp's layout, in panels of 16 output columns: int8 q as k pairs
-    [P, Kp / 2, 16, 2]; int4 q as k quads of 32 bytes [P, Kp / 4, 32], byte 2c + t holding column c's k = 4s + t in
-    its low nibble and 4s + 2 + t in its high one; scales and zeros [P, Kp / group, 16] (bfloat16 where they hold
-    bf16 values, else float32)."""
+    """A QuantizedTensor in cpu_gemm_quant.cpp's layout: q in panels of 16 output columns, in steps of 4 bytes per
+    column holding 4 k (int8, in the order k, k + 2, k + 1, k + 3) or 8 k (int4, k + d in nibble d / 2 for even d and
+    4 + d / 2 for odd d), each block of 8 panels (the last padded with zero panels) storing its panels' steps in turn,
+    [ceil(P / 8), Kp / 4 or Kp / 8, 8, 16, 4] bytes; scales and zeros likewise [ceil(P / 8), Kp / group, 8, 16]
+    (bfloat16 where they hold bf16 values, else float32)."""
 
     q: torch.Tensor
     scales: torch.Tensor
@@ -124,18 +130,31 @@ def _panels(t: torch.Tensor) -> torch.Tensor:
     return padded.view(panels, PANEL, cols, *rest).transpose(1, 2).contiguous()
 
 
+_INT8_ORDER = [0, 2, 1, 3]  # byte b of a column's step holds k + _INT8_ORDER[b]
+_INT4_NIBBLE = [0, 4, 1, 5, 2, 6, 3, 7]  # k + d goes to nibble _INT4_NIBBLE[d]
+
+
 def pack_panels(qt: QuantizedTensor) -> QuantPanels:
     rows, padded = qt.q.shape
     if qt.bits == 8:
-        q = _panels(qt.q.view(rows, padded // 2, 2))  # [P, Kp / 2, 16, 2]
+        words = qt.q.view(rows, padded // 4, 4)[:, :, _INT8_ORDER].contiguous().view(torch.uint8)
     else:
-        quads = qt.q.view(rows, padded // 4, 2, 2)  # [N, s, half, t]: k = 4s + 2 half + t
-        q = _panels(quads[:, :, 0] | (quads[:, :, 1] << 4))  # [P, s, 16, t] -> byte 2c + t of a quad
-        q = q.view(q.shape[0], padded // 4, 2 * PANEL)
+        nibbles = qt.q.view(rows, padded // 8, 8).to(torch.int64)
+        shifts = 4 * torch.tensor(_INT4_NIBBLE, dtype=torch.int64)
+        value = (nibbles << shifts).sum(dim=-1)  # the 32-bit word, little-endian bytes below
+        words = torch.stack([(value >> (8 * b)) & 0xFF for b in range(4)], dim=-1).to(torch.uint8)
     stored = torch.bfloat16 if qt.scale_dtype == torch.bfloat16 else torch.float32
-    zeros = _panels(qt.zeros.to(stored)) if qt.zeros is not None else None
-    return QuantPanels(q, _panels(qt.scales.to(stored)), zeros, qt.bits, qt.group, qt.out_features,
-                       qt.in_features)
+    zeros = _blocks(_panels(qt.zeros.to(stored))) if qt.zeros is not None else None
+    return QuantPanels(_blocks(_panels(words)), _blocks(_panels(qt.scales.to(stored))), zeros, qt.bits, qt.group,
+                       qt.out_features, qt.in_features)
+
+
+def _blocks(t: torch.Tensor) -> torch.Tensor:
+    """Panels [P, C, ...] in blocks of 8 (the last padded with zero panels), each block's panels in turn along C:
+    [ceil(P / 8), C, 8, ...]."""
+    blocks = -(-t.shape[0] // INTERLEAVE)
+    t = torch.cat([t, t.new_zeros(blocks * INTERLEAVE - t.shape[0], *t.shape[1:])])
+    return t.view(blocks, INTERLEAVE, *t.shape[1:]).transpose(1, 2).contiguous()
 
 
 @dataclass(frozen=True, slots=True)

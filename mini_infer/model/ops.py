@@ -11,7 +11,7 @@ path everywhere (AMX for bf16, then AVX512_BF16, then AVX-512F, then AVX2). If t
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +54,8 @@ class Ops:
     tuner: LinearTuner | None = None  # with the native kernels: None runs `path` everywhere
     path: str = "avx2"  # the native matmul path without a tuner
     quantization: str | None = None  # the linear weights quantised at load (config.QUANTIZATION_METHODS)
+    head_tuner: LinearTuner | None = None  # the LM head's, where its method (quant.HEAD_METHOD) differs
+    head_shapes: list[str] = field(default_factory=list)  # the weight shapes prepare() handed to head_tuner
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | cpu.PackedWeight | TunedWeight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -133,7 +135,12 @@ class Ops:
             weight = getattr(module, name).data
             module._parameters.pop(name, None)  # a tied head keeps the embedding registered under its own name
             if self.quantization is not None:
-                setattr(module, name, self._quantized(weight))
+                head = name == "lm_head" and self.native and quant.HEAD_METHOD[self.quantization] != self.quantization
+                method, tuner = (quant.HEAD_METHOD[self.quantization], self.head_tuner) if head else \
+                    (self.quantization, self.tuner)
+                if head:
+                    self.head_shapes.append("x".join(map(str, weight.shape)))
+                setattr(module, name, self._quantized(weight, method, tuner))
                 continue
             if self.tuner is None:
                 setattr(module, name, cpu.pack_weight(weight, cpu.weight_layout(self.path, weight.dtype)))
@@ -142,19 +149,20 @@ class Ops:
             layouts = {cpu.weight_layout(w, weight.dtype) for w in winners if w != "torch"}
             setattr(module, name, TunedWeight({layout: cpu.pack_weight(weight, layout) for layout in sorted(layouts)},
                                               weight if "torch" in winners else None, winners))
-        timer = getattr(self.tuner, "timer", None)
-        if isinstance(timer, _LinearTimer):
-            timer.release()
+        for tuner in (self.tuner, self.head_tuner):
+            if isinstance(getattr(tuner, "timer", None), _LinearTimer):
+                tuner.timer.release()
 
-    def _quantized(self, weight: torch.Tensor) -> TunedWeight:
-        """The weight quantised, packed for its timed choices (or for `path`, or for torch without native kernels)."""
-        qt = quant.quantize(weight, self.quantization, quant.scale_dtype(weight.dtype))
+    def _quantized(self, weight: torch.Tensor, method: str, tuner: LinearTuner | None) -> TunedWeight:
+        """The weight quantised by `method`, packed for its timed choices (or for `path`, or for torch's int4 matmul
+        without the native kernels)."""
+        qt = quant.quantize(weight, method, quant.scale_dtype(weight.dtype))
         if not self.native:
             winners = ("torch",) * len(BUCKETS)
-        elif self.tuner is None:
+        elif tuner is None:
             winners = (self.path,) * len(BUCKETS)
         else:
-            winners = self.tuner.winners(*weight.shape)
+            winners = tuner.winners(*weight.shape)
         packed = {}
         if any(w != "torch" for w in winners):
             packed["quant"] = quant.pack_panels(qt)
@@ -164,7 +172,11 @@ class Ops:
 
     def matmul_choices(self) -> dict[str, list[str]] | None:
         """What the autotuner chose per weight shape and bucket (None without one), for reports."""
-        return self.tuner.choices() if self.tuner is not None else None
+        if self.tuner is None:
+            return None
+        head = self.head_tuner.choices() if self.head_tuner is not None else {}
+        return {**self.tuner.choices(), **{f"{shape} (LM head, {quant.HEAD_METHOD[self.quantization]})": head[shape]
+                                           for shape in self.head_shapes if shape in head}}
 
 
 def select_ops(mode: str, dtype: torch.dtype, device: str | torch.device, quantization: str | None = None) -> Ops:
@@ -191,6 +203,9 @@ def select_ops(mode: str, dtype: torch.dtype, device: str | torch.device, quanti
     runnable = tuple(path for path, why in paths.items() if why is None)
     missing = "; ".join(f"{path}: {why}" for path, why in paths.items() if why is not None)
     lacking = f" (not here: {missing})" if missing else ""
+    head = quant.HEAD_METHOD.get(quantization, quantization)
+    if head != quantization:
+        weights = f"{quantization} weights, LM head {head}, "
     if mode == "on":
         return Ops(True, f"native CPU kernels ({weights}{runnable[-1]} matmul with packed weights, paged decode "
                          f"attention){lacking}", path=runnable[-1], quantization=quantization)
@@ -199,10 +214,13 @@ def select_ops(mode: str, dtype: torch.dtype, device: str | torch.device, quanti
     candidates = (*runnable, "torch") if quantization != "int8" else runnable
     source = cpu.gemm_source() if not quantization else quant.kernel_source(quantization)
     tuner = LinearTuner(machine_key(dtype, source), _LinearTimer(dtype, quantization), candidates)
+    head_tuner = None
+    if head != quantization:  # the head's method has its own timings (int8: the native paths only)
+        head_tuner = LinearTuner(machine_key(dtype, quant.kernel_source(head)), _LinearTimer(dtype, head), runnable)
     torch_named = {None: " and torch's matmul", "int4": " and torch's int4 matmul", "int8": ""}[quantization]
     return Ops(True, f"native CPU kernels ({weights}paged decode attention; per weight shape and batch size, the "
                      f"fastest of {', '.join(runnable)}{torch_named}, timed once: {tuner.path}){lacking}", tuner,
-               quantization=quantization)
+               quantization=quantization, head_tuner=head_tuner)
 
 
 class _LinearTimer:
