@@ -61,6 +61,11 @@ class ModelConfig:
                 f"mini-infer runs {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         _reject_unsupported_attention(raw, source)
+        quantized = raw.get("quantization_config")
+        if quantized:
+            method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
+            raise ValueError(f"{source}: pre-quantised checkpoints (quantization_config, quant_method {method!r}) are "
+                             "not loaded yet; load the bf16/fp16/fp32 checkpoint with quantization='int8' or 'int4'")
 
         def need(key: str):
             if key not in raw:

@@ -4,6 +4,8 @@ preempt, cache prefixes and chunk prefills without changing a request's tokens."
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -245,3 +247,64 @@ def test_the_lm_head_is_int8_where_the_native_kernels_run(quant_model, method, k
 
     assert bits(model.lm_head) == head_bits and bits(model.layers[0].mlp.down_proj) == layer_bits
     assert model.embed_tokens.dtype == torch.float32  # the embedding lookup stays in the model's dtype
+
+
+def test_bench_quantization_flag_adds_the_quantised_systems_beside_their_bases():
+    import argparse
+
+    from mini_infer.bench.options import BenchOptions, add_bench_args
+
+    def options(*flags):
+        parser = argparse.ArgumentParser()
+        add_bench_args(parser)
+        return BenchOptions.from_args(parser.parse_args(list(flags)))
+
+    both = options("--systems", "mini-infer,llama.cpp", "--quantization", "int8,int4")
+    assert both.systems == ("mini-infer", "llama.cpp", "mini-infer-int8", "mini-infer-int4", "llama.cpp-q8_0",
+                            "llama.cpp-q4_0")
+    assert options("--systems", "mini-infer", "--quantization", "int4").systems == ("mini-infer", "mini-infer-int4")
+    with pytest.raises(ValueError, match="--quantization must be a comma list of int8, int4"):
+        options("--quantization", "int2")
+
+
+def test_kl_divergence_of_known_distributions():
+    from mini_infer.bench.kl import divergence
+
+    base = torch.log(torch.tensor([[0.5, 0.25, 0.25], [0.1, 0.6, 0.3]], dtype=torch.float64))
+    other = torch.log(torch.tensor([[0.25, 0.5, 0.25], [0.1, 0.6, 0.3]], dtype=torch.float64))
+    kl, same = divergence(base, other)
+    assert kl[0].item() == pytest.approx(0.5 * math.log(2) + 0.25 * math.log(0.5)) and kl[1].item() == 0.0
+    assert same.tolist() == [False, True]
+
+
+def test_kl_workload_scores_each_quantised_engine_against_the_unquantised_one(tiny_model_dir, tmp_path):
+    """The tiny preset (real vocabulary) over the text: four chunks of 512, 255 positions each; int4 strays further
+    than int8 from the float32 model, and neither is exactly it."""
+    import argparse
+
+    from mini_infer.bench.kl import KL, run_kl
+    from mini_infer.bench.options import BenchOptions, add_bench_args
+    from mini_infer.bench.run import table
+
+    parser = argparse.ArgumentParser()
+    add_bench_args(parser)
+    options = BenchOptions.from_args(parser.parse_args(["--workload", "kl", "--systems", "mini-infer", "--dtype",
+                                                        "float32", "--quantization", "int8,int4"]))
+    report = run_kl(options, str(tiny_model_dir), lambda message: None)
+    int8, int4 = report["systems"]["mini-infer-int8"], report["systems"]["mini-infer-int4"]
+    assert int8["positions"] == int4["positions"] == report["config"]["chunks"] * 255
+    assert 0 < int8["mean_kl"] < int4["mean_kl"]
+    assert int8["top1_same_pct"] >= int4["top1_same_pct"]
+    text = table(KL, {**report, "machine": {"torch_threads": 2, "cpu_cores": 2, "cpu_model": "test",
+                                            "load_average_1m": 0.0}})
+    assert "mini-infer-int8" in text and "mean KL" in text
+
+
+def test_a_pre_quantised_checkpoint_is_refused_by_name():
+    from mini_infer.config import ModelConfig
+
+    raw = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 100, "max_position_embeddings": 64,
+           "rope_theta": 1e6, "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128}}
+    with pytest.raises(ValueError, match="quant_method 'gptq'.* not loaded yet"):
+        ModelConfig.from_dict(raw)

@@ -8,15 +8,15 @@ counted the same way for every system, from the generated token ids.
 
 from __future__ import annotations
 
-import gc
 import itertools
-import os
+import json
+import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mini_infer.bench.peers import PEER_NAMES, build_peer, process_rss
+from mini_infer.bench.peers import PEER_NAMES, build_peer
 from mini_infer.bench.report import RunResult
 from mini_infer.config import EngineConfig
 from mini_infer.engine.data_parallel import create_engine
@@ -45,15 +45,9 @@ class MiniInferSystem:
     """A mini-infer engine (data-parallel too), its one step loop watched so that each request's finish time is
     seen."""
 
-    def __init__(self, model_dir: str, engine_args: dict) -> None:
-        gc.collect()
-        before = process_rss(os.getpid())
+    def __init__(self, model_dir: str, engine_args: dict, measure_rss: bool = False) -> None:
         self.engine = create_engine(EngineConfig(model=model_dir, **engine_args))
-        gc.collect()
-        after = process_rss(os.getpid())
-        # What building the engine left resident in this process (its weights, what it allocated; the float weights
-        # it quantised from are freed by then).
-        self.rss_growth = after - before if before is not None and after is not None else None
+        self.rss = engine_rss(model_dir, engine_args) if measure_rss else None
         self._request_ids = itertools.count()
 
     def run(self, prompts: list[list[int]], output_lens: list[int]) -> RunResult:
@@ -76,10 +70,30 @@ class MiniInferSystem:
         stats = self.engine.memory_stats()[0]
         return {"summary": f"kernels: {stats['kernels']}", "kernels": stats["kernels"],
                 "matmul_choices": stats["matmul_choices"], "weight_bytes": stats["param_bytes"],
-                "rss_bytes": self.rss_growth}
+                "rss_bytes": self.rss}
 
     def close(self) -> None:
         self.engine.shutdown()
+
+
+_RSS_PROBE = """
+import gc, json, os, sys
+from mini_infer.bench.peers import process_rss
+from mini_infer.config import EngineConfig
+from mini_infer.engine.data_parallel import create_engine
+engine = create_engine(EngineConfig(**json.loads(sys.argv[1])))
+gc.collect()
+print(process_rss(os.getpid()))
+"""
+
+
+def engine_rss(model_dir: str, engine_args: dict) -> int | None:
+    """The resident set of a fresh process holding only this engine (the bench's own process holds every in-process
+    system at once, and its allocator keeps what one system freed for the next): comparable to a peer worker's."""
+    result = subprocess.run([sys.executable, "-c", _RSS_PROBE, json.dumps({"model": model_dir, **engine_args})],
+                            capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    lines = result.stdout.split()
+    return int(lines[-1]) if result.returncode == 0 and lines and lines[-1].isdigit() else None
 
 
 def _stderr(message: str) -> None:
@@ -92,10 +106,11 @@ class SystemFactory:
 
     def __init__(self, model_dir: str, dtype: str, *, max_requests: int, max_seq_len: int,
                  static_batch_size: int | None = None, gguf_outtype: str | None = None,
-                 log: Callable[[str], None] = _stderr) -> None:
+                 log: Callable[[str], None] = _stderr, measure_rss: bool = False) -> None:
         self.model_dir, self.dtype = model_dir, dtype
         self.max_requests, self.max_seq_len = max_requests, max_seq_len
         self.static_batch_size, self.gguf_outtype, self.log = static_batch_size, gguf_outtype, log
+        self.measure_rss = measure_rss  # mini-infer's resident set, in a process of its own (engine_rss)
         self._hf_model = None
 
     def build(self, name: str):
@@ -108,7 +123,8 @@ class SystemFactory:
             # prefill work that the HF systems must do (the shared-prefix workload measures the cache itself).
             return MiniInferSystem(self.model_dir, dict(dtype=self.dtype, max_num_seqs=max(256, self.max_requests),
                                                         enable_prefix_caching=False, quantization=kind,
-                                                        cpu_kernels="off" if name == "mini-infer-torch" else "auto"))
+                                                        cpu_kernels="off" if name == "mini-infer-torch" else "auto"),
+                                   self.measure_rss)
         from mini_infer.bench import hf  # only here: nothing else loads transformers' modeling code
 
         if self._hf_model is None:

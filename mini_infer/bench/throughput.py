@@ -38,7 +38,8 @@ def run_fixed(options: BenchOptions, model_dir: str, log: Callable[[str], None])
     ceilings = measure_ceilings(dtype)
     cost = DecodeCost.from_config(ModelConfig.from_dir(model_dir), dtype.itemsize)
     factory = SystemFactory(model_dir, options.dtype, max_requests=max(options.batch_sizes),
-                            max_seq_len=options.prompt_len + new_tokens, gguf_outtype=options.gguf_outtype, log=log)
+                            max_seq_len=options.prompt_len + new_tokens, gguf_outtype=options.gguf_outtype, log=log,
+                            measure_rss=any(name.startswith("mini-infer-int") for name in options.systems))
     records = run_systems(factory, list(options.systems), cases, options.reps, log)
     points = {b: roofline(cost, ceilings, b) for b in options.batch_sizes}
     systems = {name: {"reason": record["reason"], "setup": record["setup"],
@@ -82,8 +83,9 @@ def _fixed_headline(report: dict) -> list[str]:
              f"ceilings: {_compute_ceiling(ceilings)}, memory read {ceilings['read_gbs']:.1f} GB/s; a decode step "
              f"reads {report['decode_cost']['weight_bytes'] / 1e6:.0f} MB of {config['dtype']} weights (the roofline)"]
     if any("weight_bytes" in r for s in report["systems"].values() for r in s["results"]):
-        lines.append("weights MB: the weights a system holds (mini-infer's tensors, llama.cpp's GGUF file); RSS MB: what "
-                     "building mini-infer's engine left resident in the bench's process, a peer worker's resident set")
+        lines.append("weights MB: the weights a system holds (mini-infer's tensors, llama.cpp's GGUF file); RSS MB: the "
+                     "resident set of a process holding only that system (mini-infer's engine loaded once more in a "
+                     "process of its own; a peer's worker)")
     return lines
 
 

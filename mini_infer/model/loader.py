@@ -8,6 +8,7 @@ holds must arrive exactly once, and nothing unknown may be left over.
 
 from __future__ import annotations
 
+import ctypes
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,4 +156,14 @@ def load_model(config: ModelConfig, model_dir: Path, *, dtype: torch.dtype, devi
                              shard=comm.shard, comm=comm)
     load_weights(model, config, model_dir)
     ops.prepare(model.linear_weights())
+    if ops.quantization is not None:
+        _release_freed_memory()  # the float weights just quantised: give their pages back, not only to malloc
     return model.eval()
+
+
+def _release_freed_memory() -> None:
+    """glibc keeps freed heap memory for reuse; malloc_trim returns it to the OS (elsewhere: nothing to do)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
