@@ -5,8 +5,8 @@
   form, so its `_weight_int4pack_mm_for_cpu` computes the same weights).
 
 A weight is quantised once into a `QuantizedTensor` (the integers and per-group scales, row-major), from which each
-matmul that can run it takes its own packed copy: mini-infer's kernel (cpu_gemm_quant.cpp, AVX2 or AVX-512: the
-integers widened in registers, float32 sums) reads `QuantPanels`; torch's int4 matmul reads `TorchInt4Pack`.
+matmul that can run it takes its own packed copy: mini-infer's kernel (cpu_gemm_quant.cpp, AVX2 or AVX-512: x rounded
+to int16 per group, the weights widened in registers, exact integer sums per group) reads `QuantPanels`; torch's int4 matmul reads `TorchInt4Pack`.
 Scales and zeros are rounded to the model's dtype where it is bfloat16 or float16 (stored as bfloat16 for a bf16
 model, 2 bytes per group and column), so that every candidate, torch's included, multiplies the same numbers.
 """
@@ -28,7 +28,7 @@ from mini_infer.kernels.build import KernelUnavailable
 GROUP_SIZE = {"int8": 32, "int4": 32}
 # The LM head's method: int4 models keep it in int8, as llama.cpp's Q4_0 keeps its output tensor at 6-8 bits: with
 # the head in int4 too, the top-1 token differed from the bf16 model's at 75 % of positions against Q4_0's 69 %
-# (KL 0.039 against 0.048; docs/BENCHMARKS.md). Only where the native kernels run (torch has no int8 group matmul).
+# (73 % with it in int8; KL 0.039 and 0.038 against 0.048; docs/BENCHMARKS.md). Only where the native kernels run (torch has no int8 group matmul).
 HEAD_METHOD = {"int8": "int8", "int4": "int8"}
 PANEL = 16  # output columns per panel (cpu_gemm_quant.cpp)
 INTERLEAVE = 8  # panels whose steps alternate in memory (cpu_gemm_quant.cpp)
