@@ -1,5 +1,5 @@
 // What the AVX-512 matmul kernels (cpu_gemm_avx512.cpp, cpu_gemm_amx.cpp) share: float32 -> bf16 rounding of a
-// vector, the bias in float32, the store of 16 output columns, and x copied zero-padded.
+// vector, the store of 16 output columns, and x copied zero-padded (the bias in float32: bf16.h).
 #pragma once
 
 #include <immintrin.h>
@@ -22,17 +22,6 @@ inline __m256i to_bf16(__m512 v) {
     const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     rounded = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
     return _mm512_cvtepi32_epi16(rounded);
-}
-
-inline float load_scalar(const void* data, int dtype, int64_t i) {
-    return dtype == BF16 ? bf16_to_f32(static_cast<const uint16_t*>(data)[i]) : static_cast<const float*>(data)[i];
-}
-
-// bias [N] (float32 or bfloat16, or null: empty) in float32.
-inline std::vector<float> bias_f32(const void* bias, int bias_dtype, int N) {
-    std::vector<float> out(bias ? N : 0);
-    for (int n = 0; n < static_cast<int>(out.size()); ++n) out[n] = load_scalar(bias, bias_dtype, n);
-    return out;
 }
 
 // out[m, n0 .. n0 + 16) (fewer past N) = acc + bias (float32 [N], or null), in out_dtype.

@@ -204,6 +204,9 @@ class PackedWeight:
     def dtype(self) -> torch.dtype:
         return self.data.dtype
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.data]
+
 
 def pack_weight(weight: torch.Tensor, layout: str = "panels") -> PackedWeight:
     if weight.dim() != 2 or weight.dtype not in DTYPES or weight.device.type != "cpu":

@@ -52,16 +52,6 @@ struct Problem {
     int out_dtype, M, N, K;
 };
 
-inline void store_columns(const Problem& p, int m, int n0, const float* values) {
-    const int count = p.N - n0 < PANEL ? p.N - n0 : PANEL;
-    const int64_t row = static_cast<int64_t>(m) * p.N + n0;
-    for (int c = 0; c < count; ++c) {
-        const float v = values[c] + (p.bias ? p.bias[n0 + c] : 0.0f);
-        if (p.out_dtype == BF16) static_cast<uint16_t*>(p.out)[row + c] = f32_to_bf16(v);
-        else static_cast<float*>(p.out)[row + c] = v;
-    }
-}
-
 // Rows m0..m0+MR of out against panels panel0..panel0+NP.
 template <int MR, int NP, typename WT>
 inline void tile(const Problem& p, const typename WT::T* w, int m0, int panel0) {
@@ -93,7 +83,7 @@ inline void tile(const Problem& p, const typename WT::T* w, int m0, int panel0) 
 #pragma GCC unroll 8
         for (int j = 0; j < NP; ++j) {
             WT::columns(acc[i][j][0], acc[i][j][1], values);
-            store_columns(p, m0 + i, (panel0 + j) * PANEL, values);
+            store_columns_f32(p.out, p.out_dtype, p.N, p.bias, m0 + i, (panel0 + j) * PANEL, values);
         }
 }
 
@@ -135,10 +125,6 @@ void run(const Problem& p, const typename WT::T* w, int threads) {
     }
 }
 
-inline float load_scalar(const void* data, int dtype, int64_t i) {
-    return dtype == BF16 ? bf16_to_f32(static_cast<const uint16_t*>(data)[i]) : static_cast<const float*>(data)[i];
-}
-
 }  // namespace
 
 extern "C" void gemm(const void* x, int x_dtype, const void* w, int w_dtype, const void* bias, int bias_dtype,
@@ -146,13 +132,9 @@ extern "C" void gemm(const void* x, int x_dtype, const void* w, int w_dtype, con
     std::vector<float> x32;
     if (x_dtype == BF16) {
         x32.resize(static_cast<size_t>(M) * K);
-        for (size_t i = 0; i < x32.size(); ++i) x32[i] = load_scalar(x, x_dtype, static_cast<int64_t>(i));
+        for (size_t i = 0; i < x32.size(); ++i) x32[i] = load_as_f32(x, x_dtype, static_cast<int64_t>(i));
     }
-    std::vector<float> bias32;
-    if (bias) {
-        bias32.resize(N);
-        for (int n = 0; n < N; ++n) bias32[n] = load_scalar(bias, bias_dtype, n);
-    }
+    const std::vector<float> bias32 = bias_as_f32(bias, bias_dtype, N);
     const Problem p{x_dtype == BF16 ? x32.data() : static_cast<const float*>(x), bias ? bias32.data() : nullptr,
                     out, out_dtype, M, N, K};
     if (w_dtype == BF16) run<BF16Weights>(p, static_cast<const uint16_t*>(w), threads);

@@ -165,7 +165,7 @@ extern "C" void gemm_amx(const uint16_t* x, const uint16_t* w, const void* bias,
     std::vector<uint16_t> padded;
     const int K2 = (K + 1) / 2 * 2;
     x = gemm512::padded_rows(x, M, K, (M + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS, K2, padded);
-    const std::vector<float> b = gemm512::bias_f32(bias, bias_dtype, N);
+    const std::vector<float> b = bias_as_f32(bias, bias_dtype, N);
     const Problem p{x, K2, bias ? b.data() : nullptr, out, out_dtype, M, N, K2 / 2};
     if (M <= TILE_ROWS) run_groups<3>(p, w, threads);
     else run_groups<2>(p, w, threads);

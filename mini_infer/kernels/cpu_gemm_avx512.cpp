@@ -31,7 +31,6 @@ inline void prefetch(const void* p, int64_t step_bytes) {
     else _mm_prefetch(static_cast<const char*>(p) + 512 * step_bytes, _MM_HINT_T1);
 }
 using gemm512::BF16;
-using gemm512::bias_f32;
 using gemm512::to_bf16;
 constexpr int64_t kNextGroupBytes = 256 * 1024;  // the largest panel group whose successor is prefetched (tile())
 
@@ -242,7 +241,7 @@ extern "C" void gemm_avx512bf16(const uint16_t* x, const uint16_t* w, const void
     std::vector<uint16_t> padded;
     const int K2 = (K + 1) / 2 * 2;
     x = gemm512::padded_rows(x, M, K, M, K2, padded);
-    const std::vector<float> b = bias_f32(bias, bias_dtype, N);
+    const std::vector<float> b = bias_as_f32(bias, bias_dtype, N);
     const Problem p{x, K2, bias ? b.data() : nullptr, out, out_dtype, M, N, K2 / 2};
     run<BF16Pairs>(p, w, prefetch, threads);
 }
@@ -251,7 +250,7 @@ extern "C" void gemm_avx512bf16(const uint16_t* x, const uint16_t* w, const void
 extern "C" void gemm_avx512(const void* x, int x_dtype, const float* w, const void* bias, int bias_dtype, void* out,
                             int out_dtype, int M, int N, int K, int prefetch, int threads) {
     const std::vector<float> x32 = x_dtype == BF16 ? widen_rows(x, x_dtype, M, K, K, threads) : std::vector<float>();
-    const std::vector<float> b = bias_f32(bias, bias_dtype, N);
+    const std::vector<float> b = bias_as_f32(bias, bias_dtype, N);
     const Problem p{x_dtype == BF16 ? x32.data() : x, K, bias ? b.data() : nullptr, out, out_dtype, M, N, K};
     run<F32Panels>(p, w, prefetch, threads);
 }
@@ -261,7 +260,7 @@ extern "C" void gemm_avx512_pairs(const void* x, int x_dtype, const uint16_t* w,
                                   void* out, int out_dtype, int M, int N, int K, int prefetch, int threads) {
     const int K2 = (K + 1) / 2 * 2;
     const std::vector<float> x32 = widen_rows(x, x_dtype, M, K, K2, threads);
-    const std::vector<float> b = bias_f32(bias, bias_dtype, N);
+    const std::vector<float> b = bias_as_f32(bias, bias_dtype, N);
     const Problem p{x32.data(), K2, bias ? b.data() : nullptr, out, out_dtype, M, N, K2 / 2};
     run<BF16PairsWidened>(p, w, prefetch, threads);
 }

@@ -192,13 +192,7 @@ struct Problem {
 inline void store_columns(const Problem& p, int m, int n0, const VF* acc) {
     alignas(64) float values[PANEL];
     store16(values, acc);
-    const int count = p.N - n0 < PANEL ? p.N - n0 : PANEL;
-    const int64_t row = static_cast<int64_t>(m) * p.N + n0;
-    for (int c = 0; c < count; ++c) {
-        const float v = values[c] + (p.bias ? p.bias[n0 + c] : 0.0f);
-        if (p.out_dtype == BF16) static_cast<uint16_t*>(p.out)[row + c] = f32_to_bf16(v);
-        else static_cast<float*>(p.out)[row + c] = v;
-    }
+    store_columns_f32(p.out, p.out_dtype, p.N, p.bias, m, n0, values);
 }
 
 // Rows m0 .. m0 + MR of out against panels panel0 .. panel0 + NP.
@@ -336,10 +330,6 @@ void run(const Problem& p, int threads) {
 #endif
 }
 
-inline float load_scalar(const void* data, int dtype, int64_t i) {
-    return dtype == BF16 ? bf16_to_f32(static_cast<const uint16_t*>(data)[i]) : static_cast<const float*>(data)[i];
-}
-
 }  // namespace
 
 // x [M, K] float32 or bfloat16; q, scale, zero as above (zero: int4 only, or null); bits 8 or 4; group G (a multiple
@@ -406,11 +396,7 @@ extern "C" int gemm_quant(const void* x, int x_dtype, const void* q, const void*
                 }
             }
         }
-    std::vector<float> bias32;
-    if (bias) {
-        bias32.resize(N);
-        for (int n = 0; n < N; ++n) bias32[n] = load_scalar(bias, bias_dtype, n);
-    }
+    const std::vector<float> bias32 = bias_as_f32(bias, bias_dtype, N);
     const Problem p{xq.data(), unit.data(), bits == INT4 ? xsum.data() : nullptr, q, scale, zero,
                     bias ? bias32.data() : nullptr, out, scale_dtype, out_dtype, M, N, Kp, G};
     const bool far = prefetch_mode == FAR;

@@ -36,7 +36,7 @@ class TunedWeight:
     winners: tuple[str, ...]  # per autotune bucket: a native path (cpu.MATMUL_PATHS, quant.QUANT_KERNELS) or "torch"
 
     def tensors(self) -> list[torch.Tensor]:
-        packed = [t for p in self.packed.values() for t in (p.tensors() if hasattr(p, "tensors") else [p.data])]
+        packed = [t for p in self.packed.values() for t in p.tensors()]
         return packed + ([self.dense] if self.dense is not None else [])
 
     def native(self, path: str) -> cpu.PackedWeight | quant.QuantPanels:
