@@ -23,6 +23,82 @@ _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp3
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM",)
 
 
+CHECKPOINT_QUANTIZATION = ("gptq", "awq")  # pre-quantised checkpoints' methods (mini_infer.model.prequantized)
+# Methods and formats people meet that mini-infer does not load, each with what it is.
+_UNSUPPORTED_METHODS = {
+    "exl2": "exllama v2's EXL2 format", "marlin": "Marlin's packing", "gptq_marlin": "Marlin's packing",
+    "awq_marlin": "Marlin's packing", "bitblas": "BitBLAS's packing", "bitsandbytes": "bitsandbytes",
+    "fp8": "FP8 weights", "compressed-tensors": "compressed-tensors", "hqq": "HQQ", "aqlm": "AQLM", "eetq": "EETQ",
+    "torchao": "torchao's tensor subclasses", "gguf": "GGUF", "qqq": "QQQ", "mxfp4": "MXFP4"}
+_GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 2}  # checkpoint_format -> its zero-point convention (v1 stores zero - 1)
+_AWQ_UNSUPPORTED_VERSIONS = {"gemv": "GEMV packing", "gemv_fast": "GEMV-fast packing", "marlin": "Marlin's packing",
+                             "exllama": "ExLlama's packing", "ipex": "IPEX's packing"}
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointQuantization:
+    """A pre-quantised checkpoint's `quantization_config`: GPTQ (bits 4 or 8, groups or one per row, symmetric or
+    not for 4 bits, act-order with g_idx) or AWQ (4 bits, GEMM packing, zero points)."""
+
+    method: str  # CHECKPOINT_QUANTIZATION
+    bits: int
+    group_size: int  # inputs per scale; -1: one scale per output channel
+    desc_act: bool = False  # GPTQ's act-order: g_idx maps each input to its group
+    zero_offset: int = 0  # what GPTQ v1 checkpoints store their zero points less by (1), else 0
+
+    @classmethod
+    def from_dict(cls, raw: object, source: str) -> CheckpointQuantization:
+        if not isinstance(raw, dict):
+            raise ValueError(f"{source}: quantization_config must be an object, got {raw!r}")
+        method = str(raw.get("quant_method", "")).lower()
+        where = f"{source}: quantization_config"
+        if method in _UNSUPPORTED_METHODS:
+            raise ValueError(f"{where} quant_method {method!r} ({_UNSUPPORTED_METHODS[method]}) is not supported; "
+                             f"mini-infer loads {' and '.join(CHECKPOINT_QUANTIZATION)} checkpoints")
+        if method not in CHECKPOINT_QUANTIZATION:
+            raise ValueError(f"{where} quant_method must be one of {', '.join(CHECKPOINT_QUANTIZATION)}, got "
+                             f"{raw.get('quant_method')!r}")
+        bits, group = raw.get("bits", raw.get("w_bit")), raw.get("group_size", raw.get("q_group_size"))
+        allowed_bits = (4, 8) if method == "gptq" else (4,)
+        if bits not in allowed_bits:
+            raise ValueError(f"{where} bits must be one of {', '.join(map(str, allowed_bits))} for {method}, got "
+                             f"{bits!r}")
+        if not isinstance(group, int) or not (group == -1 or (group > 0 and group % 8 == 0)):
+            raise ValueError(f"{where} group_size must be -1 or a positive multiple of 8, got {group!r}")
+        if raw.get("lm_head"):
+            raise ValueError(f"{where} lm_head true (a quantised LM head) is not supported")
+        if method == "awq":
+            version = str(raw.get("version", "gemm")).lower()
+            if version in _AWQ_UNSUPPORTED_VERSIONS:
+                raise ValueError(f"{where} version {version!r} ({_AWQ_UNSUPPORTED_VERSIONS[version]}) is not "
+                                 "supported; mini-infer loads AWQ's GEMM packing (version 'gemm')")
+            if version != "gemm":
+                raise ValueError(f"{where} version must be 'gemm', got {raw.get('version')!r}")
+            if raw.get("zero_point", True) is not True:
+                raise ValueError(f"{where} zero_point must be true for AWQ (GEMM packing stores zero points), got "
+                                 f"{raw.get('zero_point')!r}")
+            if raw.get("modules_to_not_convert"):
+                raise ValueError(f"{where} modules_to_not_convert {raw['modules_to_not_convert']!r}: checkpoints "
+                                 "with some projections left unquantised are not supported")
+            return cls("awq", bits, group)
+        fmt = str(raw.get("checkpoint_format", "gptq")).lower()
+        if raw.get("is_marlin_format") or fmt not in _GPTQ_FORMATS:
+            name = "marlin" if raw.get("is_marlin_format") else fmt
+            raise ValueError(f"{where} checkpoint_format {name!r}"
+                             f"{f' ({_UNSUPPORTED_METHODS[name]})' if name in _UNSUPPORTED_METHODS else ''} is not "
+                             f"supported; mini-infer loads {' and '.join(map(repr, _GPTQ_FORMATS))}")
+        sym = raw.get("sym", True)
+        if bits == 8 and sym is not True:
+            raise ValueError(f"{where} sym {sym!r} with 8 bits (zero points on int8 weights) is not supported; "
+                             "8-bit GPTQ checkpoints load with sym true")
+        if raw.get("dynamic"):
+            raise ValueError(f"{where} dynamic (per-module bits or group sizes) is not supported")
+        desc_act = raw.get("desc_act", False)
+        if not isinstance(desc_act, bool):
+            raise ValueError(f"{where} desc_act must be true or false, got {desc_act!r}")
+        return cls("gptq", bits, group, desc_act, 1 if _GPTQ_FORMATS[fmt] == 1 else 0)
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """The Qwen2 network's shape, as the checkpoint's config.json describes it."""
@@ -40,6 +116,7 @@ class ModelConfig:
     max_position_embeddings: int
     torch_dtype: str | None
     eos_token_ids: tuple[int, ...] = ()
+    quantization: CheckpointQuantization | None = None  # a pre-quantised (GPTQ, AWQ) checkpoint's
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -62,10 +139,7 @@ class ModelConfig:
             )
         _reject_unsupported_attention(raw, source)
         quantized = raw.get("quantization_config")
-        if quantized:
-            method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
-            raise ValueError(f"{source}: pre-quantised checkpoints (quantization_config, quant_method {method!r}) are "
-                             "not loaded yet; load the bf16/fp16/fp32 checkpoint with quantization='int8' or 'int4'")
+        quantization = CheckpointQuantization.from_dict(quantized, source) if quantized else None
 
         def need(key: str):
             if key not in raw:
@@ -95,6 +169,7 @@ class ModelConfig:
             max_position_embeddings=int(need("max_position_embeddings")),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             eos_token_ids=eos_ids,
+            quantization=quantization,
         )
 
 
@@ -158,7 +233,9 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     cpu_kernels: str = "auto"  # auto, on or off (mini_infer.model.ops)
-    quantization: str | None = None  # None (the checkpoint's dtype), int8 or int4: weight-only, quantised at load
+    # None (the checkpoint's dtype, or its quantization_config's method), int8 or int4 (weight-only, quantised at
+    # load), gptq or awq (a checkpoint quantised so).
+    quantization: str | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
@@ -196,10 +273,15 @@ class EngineConfig:
         self.torch_dtype = resolve_dtype(self.dtype, self.model_config)
         if self.cpu_kernels not in CPU_KERNEL_MODES:
             raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNEL_MODES)}, got {self.cpu_kernels!r}")
-        if self.quantization is not None:
+        if self.model_config.quantization is not None:
+            self._check_prequantized()
+        elif self.quantization is not None:
+            if self.quantization in CHECKPOINT_QUANTIZATION:
+                raise ValueError(f"quantization {self.quantization!r} loads a {self.quantization.upper()} checkpoint, "
+                                 f"but {self.model}/config.json has no quantization_config")
             if self.quantization not in QUANTIZATION_METHODS:
-                raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or None), got "
-                                 f"{self.quantization!r}")
+                raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS + CHECKPOINT_QUANTIZATION)} "
+                                 f"(or None), got {self.quantization!r}")
             if torch.device(self.device).type != "cpu" or self.torch_dtype == torch.float64:
                 raise ValueError(f"quantization {self.quantization!r} runs bfloat16, float16 or float32 models on the "
                                  f"CPU, not {self.torch_dtype} on {self.device}")
@@ -210,6 +292,26 @@ class EngineConfig:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             _positive(name, getattr(self, name))
         _check_parallel_split(self.model_config, self.tensor_parallel_size, self.pipeline_parallel_size)
+
+    def _check_prequantized(self) -> None:
+        """A GPTQ/AWQ checkpoint runs as quantised, on the native kernels, bfloat16 (for a float16 checkpoint under
+        dtype auto: the kernels take bf16 or float32 activations) or float32, in one tensor-parallel rank."""
+        method = self.model_config.quantization.method
+        if self.quantization not in (None, method):
+            raise ValueError(f"quantization must be None or {method!r} for this checkpoint ({self.model} is quantised "
+                             f"by {method}: quantization_config), got {self.quantization!r}")
+        self.quantization = method
+        if self.dtype == "auto" and self.torch_dtype == torch.float16:
+            self.torch_dtype = torch.bfloat16
+        if self.torch_dtype not in (torch.bfloat16, torch.float32) or torch.device(self.device).type != "cpu":
+            raise ValueError(f"a {method} checkpoint runs bfloat16 or float32 activations on the CPU, not dtype "
+                             f"{self.torch_dtype} on {self.device}")
+        if self.cpu_kernels == "off":
+            raise ValueError(f"a {method} checkpoint runs on mini-infer's native kernels: cpu_kernels must be 'auto' "
+                             "or 'on', not 'off'")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size must be 1 for a {method} checkpoint (its groups do not split "
+                             f"across ranks here), got {self.tensor_parallel_size}")
 
     @property
     def world_size(self) -> int:

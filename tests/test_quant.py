@@ -299,12 +299,3 @@ def test_kl_workload_scores_each_quantised_engine_against_the_unquantised_one(ti
                                             "load_average_1m": 0.0}})
     assert "mini-infer-int8" in text and "mean KL" in text
 
-
-def test_a_pre_quantised_checkpoint_is_refused_by_name():
-    from mini_infer.config import ModelConfig
-
-    raw = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
-           "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 100, "max_position_embeddings": 64,
-           "rope_theta": 1e6, "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128}}
-    with pytest.raises(ValueError, match="quant_method 'gptq'.* not loaded yet"):
-        ModelConfig.from_dict(raw)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, asdict, dataclass, fields
 
-from mini_infer.config import QUANTIZATION_METHODS, EngineConfig
+from mini_infer.config import CHECKPOINT_QUANTIZATION, QUANTIZATION_METHODS, EngineConfig
 from mini_infer.engine.data_parallel import create_engine
 
 
@@ -52,10 +52,12 @@ class EngineArgs:
         parser.add_argument("--cpu-kernels", default=_default("cpu_kernels"), choices=["auto", "on", "off"],
                             help="native CPU kernels for the matmuls and decode attention (auto: on for bf16/fp32 "
                                  "on the CPU when they build)")
-        parser.add_argument("--quantization", default=None, choices=list(QUANTIZATION_METHODS),
+        parser.add_argument("--quantization", default=None,
+                            choices=[*QUANTIZATION_METHODS, *CHECKPOINT_QUANTIZATION],
                             help="weight-only quantisation at load, of every projection and the LM head: int8 "
-                                 "(symmetric) or int4 (with zero points), in groups of 32 inputs (README: Quantised "
-                                 "weights)")
+                                 "(symmetric) or int4 (with zero points), in groups of 32 inputs; gptq or awq: a "
+                                 "checkpoint quantised so, which loads as it is without this flag too (README: "
+                                 "Quantised weights)")
         parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                             default=_default("enable_prefix_caching"),
                             help="reuse the KV blocks of cached prompt prefixes (default on)")

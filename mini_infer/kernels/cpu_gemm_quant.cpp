@@ -332,12 +332,13 @@ void run(const Problem& p, int threads) {
 
 }  // namespace
 
-// x [M, K] float32 or bfloat16; q, scale, zero as above (zero: int4 only, or null); bits 8 or 4; group G (a multiple
-// of 8, at most 512) divides Kp = K rounded up to a multiple of G. Returns 0, or 1 (nothing written) where bits, G or
-// the dtypes are out of range.
-extern "C" int gemm_quant(const void* x, int x_dtype, const void* q, const void* scale, const void* zero,
-                          int scale_dtype, int bits, int G, const void* bias, int bias_dtype, void* out, int out_dtype,
-                          int M, int N, int K, int prefetch_mode, int threads) {
+// x [M, K] float32 or bfloat16, read as x[:, perm] where perm (int32 [K], a permutation of 0..K-1: a GPTQ
+// checkpoint's act-order columns) is not null; q, scale, zero as above (zero: int4 only, or null); bits 8 or 4; group
+// G (a multiple of 8, at most 512) divides Kp = K rounded up to a multiple of G. Returns 0, or 1 (nothing written)
+// where bits, G or the dtypes are out of range.
+extern "C" int gemm_quant(const void* x, int x_dtype, const int32_t* perm, const void* q, const void* scale,
+                          const void* zero, int scale_dtype, int bits, int G, const void* bias, int bias_dtype,
+                          void* out, int out_dtype, int M, int N, int K, int prefetch_mode, int threads) {
     if ((bits != INT8 && bits != INT4) || G < 8 || G % 8 || G > MAX_GROUP || M < 0 || N < 1 || K < 1 ||
         (bits == INT8 && zero))
         return 1;
@@ -352,10 +353,15 @@ extern "C" int gemm_quant(const void* x, int x_dtype, const void* q, const void*
     std::vector<float> x32(static_cast<size_t>(M) * Kp, 0.0f);
     for (int m = 0; m < M; ++m) {
         float* row = x32.data() + static_cast<size_t>(m) * Kp;
-        if (x_dtype == BF16)
-            for (int k = 0; k < K; ++k) row[k] = bf16_to_f32(static_cast<const uint16_t*>(x)[static_cast<int64_t>(m) * K + k]);
+        const int64_t start = static_cast<int64_t>(m) * K;
+        if (perm && x_dtype == BF16)
+            for (int k = 0; k < K; ++k) row[k] = bf16_to_f32(static_cast<const uint16_t*>(x)[start + perm[k]]);
+        else if (perm)
+            for (int k = 0; k < K; ++k) row[k] = static_cast<const float*>(x)[start + perm[k]];
+        else if (x_dtype == BF16)
+            for (int k = 0; k < K; ++k) row[k] = bf16_to_f32(static_cast<const uint16_t*>(x)[start + k]);
         else
-            memcpy(row, static_cast<const float*>(x) + static_cast<int64_t>(m) * K, sizeof(float) * K);
+            memcpy(row, static_cast<const float*>(x) + start, sizeof(float) * K);
     }
     const bool whole = G % LANES == 0;
 #pragma omp parallel for num_threads(threads) if (static_cast<int64_t>(M) * K >= 65536)

@@ -35,10 +35,33 @@ INTERLEAVE = 8  # panels whose steps alternate in memory (cpu_gemm_quant.cpp)
 
 
 @dataclass(frozen=True, slots=True)
+class Scheme:
+    """How a quantised weight's numbers are laid out, all that its matmuls' speed depends on besides its shape."""
+
+    bits: int  # 8 (int8, symmetric) or 4
+    group: int  # inputs per scale
+    zeros: bool  # int4 with a zero point per group (else (q - 8) * scale)
+    scale_dtype: torch.dtype  # the dtype whose values the scales and zeros hold
+
+    @property
+    def name(self) -> str:
+        zeros = " with zero points" if self.zeros else ""
+        return f"int{self.bits} g{self.group}{zeros}, {str(self.scale_dtype).removeprefix('torch.')} scales"
+
+
+def method_scheme(method: str, dtype: torch.dtype) -> Scheme:
+    """The scheme a float weight of a `dtype` model is quantised to by `method` (QUANTIZATION_METHODS)."""
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {method!r}")
+    return Scheme(8 if method == "int8" else 4, GROUP_SIZE[method], method == "int4", scale_dtype(dtype))
+
+
+@dataclass(frozen=True, slots=True)
 class QuantizedTensor:
     """A quantised [N, K] weight, row-major: q [N, Kp] (int8 for int8; uint8 holding 0..15 for int4), scales and
     zeros (int4 only, or None: 0) float32 [N, Kp / group]; Kp is K rounded up to a multiple of the group, the
-    padding's q (and so its weight) zero."""
+    padding's q (and so its weight) zero. With `perm` (int64 [K]; a GPTQ checkpoint's act-order groups), column j
+    holds input feature perm[j]: the matmul reads x[:, perm]."""
 
     q: torch.Tensor
     scales: torch.Tensor
@@ -47,20 +70,30 @@ class QuantizedTensor:
     group: int
     in_features: int
     scale_dtype: torch.dtype  # the dtype whose values the scales and zeros hold (bf16, fp16 or fp32)
+    perm: torch.Tensor | None = None
 
     @property
     def out_features(self) -> int:
         return self.q.shape[0]
 
+    @property
+    def scheme(self) -> Scheme:
+        return Scheme(self.bits, self.group, self.zeros is not None, self.scale_dtype)
+
     def dequantize(self) -> torch.Tensor:
-        """The float32 weight [N, K] this stands for: q * scale, or (q - 8) * scale + zero."""
+        """The float32 weight [N, K] this stands for: q * scale, or (q - 8) * scale + zero (columns in input order)."""
         scales = self.scales.repeat_interleave(self.group, dim=1)
         if self.bits == 8:
             weight = self.q.float() * scales
         else:
             zeros = self.zeros.repeat_interleave(self.group, dim=1) if self.zeros is not None else 0.0
             weight = (self.q.float() - 8) * scales + zeros
-        return weight[:, : self.in_features]
+        weight = weight[:, : self.in_features]
+        if self.perm is None:
+            return weight
+        unpermuted = torch.empty_like(weight)
+        unpermuted[:, self.perm] = weight
+        return unpermuted
 
 
 def scale_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -69,19 +102,22 @@ def scale_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
-def kernel_source(method: str) -> str:
-    """What the autotuner's timings of `method` weights depend on besides the machine: the kernel, the scheme."""
+def kernel_source(scheme: Scheme) -> str:
+    """What the autotuner's timings of `scheme` weights depend on besides the machine: the kernel, the scheme."""
     source = (Path(cpu.__file__).parent / "cpu_gemm_quant.cpp").read_text()
-    return f"{source}\0{method} group {GROUP_SIZE[method]}"
+    return f"{source}\0{scheme.name}"
 
 
-def quantize(weight: torch.Tensor, method: str, scale_dtype: torch.dtype) -> QuantizedTensor:
-    """Quantise a 2-d float weight by `method` (QUANTIZATION_METHODS), its scales (and zeros) rounded to `scale_dtype`."""
-    if method not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {method!r}")
+def quantize(weight: torch.Tensor, method: str | Scheme, scale_dtype: torch.dtype) -> QuantizedTensor:
+    """Quantise a 2-d float weight by `method` (QUANTIZATION_METHODS, or a Scheme: its bits, group and zero points),
+    its scales (and zeros) rounded to `scale_dtype`."""
+    scheme = method if isinstance(method, Scheme) else method_scheme(method, scale_dtype)
+    scale_dtype = scheme.scale_dtype
+    if scheme.bits not in (4, 8) or (scheme.bits == 8 and scheme.zeros):
+        raise ValueError(f"quantize: no int{scheme.bits} scheme{' with zero points' if scheme.zeros else ''}")
     if weight.dim() != 2 or not weight.is_floating_point():
         raise ValueError(f"quantize takes a 2-d float weight, got {tuple(weight.shape)} {weight.dtype}")
-    group = GROUP_SIZE[method]
+    group = scheme.group
     out_features, in_features = weight.shape
     padded = -(-in_features // group) * group
     w = F.pad(weight.float(), (0, padded - in_features)).view(out_features, padded // group, group)
@@ -89,11 +125,16 @@ def quantize(weight: torch.Tensor, method: str, scale_dtype: torch.dtype) -> Qua
     def rounded(t: torch.Tensor) -> torch.Tensor:
         return t.to(scale_dtype).float()
 
-    if method == "int8":
+    if scheme.bits == 8:
         scales = rounded(w.abs().amax(dim=-1) / 127)
         safe = torch.where(scales == 0, torch.ones_like(scales), scales)
         q = torch.round(w / safe[..., None]).clamp_(-127, 127).to(torch.int8)
         return QuantizedTensor(q.view(out_features, padded), scales, None, 8, group, in_features, scale_dtype)
+    if not scheme.zeros:  # symmetric int4: (q - 8) * scale
+        scales = rounded(w.abs().amax(dim=-1) / 8)
+        safe = torch.where(scales == 0, torch.ones_like(scales), scales)
+        q = torch.round(w / safe[..., None] + 8).clamp_(0, 15).to(torch.uint8)
+        return QuantizedTensor(q.view(out_features, padded), scales, None, 4, group, in_features, scale_dtype)
     low, high = w.amin(dim=-1), w.amax(dim=-1)
     scales = rounded((high - low) / 15)
     zeros = rounded(low + 8 * scales)  # q = 0 at the group's minimum
@@ -108,7 +149,7 @@ class QuantPanels:
     column holding 4 k (int8, in the order k, k + 2, k + 1, k + 3) or 8 k (int4, k + d in nibble d / 2 for even d and
     4 + d / 2 for odd d), each block of 8 panels (the last padded with zero panels) storing its panels' steps in turn,
     [ceil(P / 8), Kp / 4 or Kp / 8, 8, 16, 4] bytes; scales and zeros likewise [ceil(P / 8), Kp / group, 8, 16]
-    (bfloat16 where they hold bf16 values, else float32)."""
+    (bfloat16 where they hold bf16 values, else float32); perm int32 [K] as QuantizedTensor's, or None."""
 
     q: torch.Tensor
     scales: torch.Tensor
@@ -117,9 +158,10 @@ class QuantPanels:
     group: int
     out_features: int
     in_features: int
+    perm: torch.Tensor | None = None
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.q, self.scales] + ([self.zeros] if self.zeros is not None else [])
+        return [t for t in (self.q, self.scales, self.zeros, self.perm) if t is not None]
 
 
 def _panels(t: torch.Tensor) -> torch.Tensor:
@@ -145,8 +187,9 @@ def pack_panels(qt: QuantizedTensor) -> QuantPanels:
         words = torch.stack([(value >> (8 * b)) & 0xFF for b in range(4)], dim=-1).to(torch.uint8)
     stored = torch.bfloat16 if qt.scale_dtype == torch.bfloat16 else torch.float32
     zeros = _blocks(_panels(qt.zeros.to(stored))) if qt.zeros is not None else None
+    perm = qt.perm.to(torch.int32).contiguous() if qt.perm is not None else None
     return QuantPanels(_blocks(_panels(words)), _blocks(_panels(qt.scales.to(stored))), zeros, qt.bits, qt.group,
-                       qt.out_features, qt.in_features)
+                       qt.out_features, qt.in_features, perm)
 
 
 def _blocks(t: torch.Tensor) -> torch.Tensor:
@@ -168,26 +211,27 @@ class TorchInt4Pack:
     group: int
     out_features: int
     in_features: int
+    perm: torch.Tensor | None = None  # as QuantizedTensor's
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.data, self.scales_and_zeros]
+        return [t for t in (self.data, self.scales_and_zeros, self.perm) if t is not None]
 
 
-def torch_int4_available(qt: QuantizedTensor, dtype: torch.dtype) -> str | None:
-    """None where torch's int4 matmul computes exactly qt's weights for `dtype` activations, else why not."""
-    if qt.bits != 4:
+def torch_int4_available(scheme: Scheme, dtype: torch.dtype) -> str | None:
+    """None where torch's int4 matmul computes exactly the weights of `scheme` for `dtype` activations, else why not."""
+    if scheme.bits != 4:
         return "torch has no CPU matmul for group-wise int8 weights (_weight_int8pack_mm scales per channel only)"
-    if qt.group not in (32, 64, 128, 256):
-        return f"torch's int4 matmul takes groups of 32, 64, 128 or 256, not {qt.group}"
-    values = torch.cat([qt.scales.flatten(), qt.zeros.flatten() if qt.zeros is not None else qt.scales[:0].flatten()])
-    if dtype not in (torch.bfloat16, torch.float16, torch.float32) or not torch.equal(values.to(dtype).float(),
-                                                                                      values):
-        return f"torch's int4 matmul holds scales in the activations' dtype ({dtype}), which would round these"
+    if scheme.group not in (32, 64, 128, 256):
+        return f"torch's int4 matmul takes groups of 32, 64, 128 or 256, not {scheme.group}"
+    exact = scheme.scale_dtype == dtype or dtype == torch.float32  # bf16 and fp16 values are float32 ones
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32) or not exact:
+        return (f"torch's int4 matmul holds scales in the activations' dtype ({dtype}), which would round these "
+                f"{scheme.scale_dtype} ones")
     return None
 
 
 def pack_torch_int4(qt: QuantizedTensor, dtype: torch.dtype) -> TorchInt4Pack:
-    reason = torch_int4_available(qt, dtype)
+    reason = torch_int4_available(qt.scheme, dtype)
     if reason is not None:
         raise ValueError(reason)
     rows = -(-qt.out_features // PANEL) * PANEL
@@ -196,10 +240,12 @@ def pack_torch_int4(qt: QuantizedTensor, dtype: torch.dtype) -> TorchInt4Pack:
     zeros = qt.zeros if qt.zeros is not None else torch.zeros_like(qt.scales)
     pairs = torch.stack([qt.scales, zeros], dim=-1)  # [N, groups, 2]
     pairs = F.pad(pairs, (0, 0, 0, 0, 0, rows - qt.out_features)).transpose(0, 1).contiguous().to(dtype)
-    return TorchInt4Pack(data, pairs, qt.group, qt.out_features, qt.in_features)
+    return TorchInt4Pack(data, pairs, qt.group, qt.out_features, qt.in_features, qt.perm)
 
 
 def torch_int4_linear(x: torch.Tensor, weight: TorchInt4Pack, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if weight.perm is not None:
+        x = x.index_select(-1, weight.perm)
     padded = weight.data.shape[1] * 2
     if x.shape[-1] != padded:
         x = F.pad(x, (0, padded - x.shape[-1]))
@@ -241,10 +287,10 @@ def quant_linear(x: torch.Tensor, weight: QuantPanels, bias: torch.Tensor | None
     x = x.contiguous()
     out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)
     bias_args = (bias.contiguous().data_ptr(), cpu.DTYPE_CODES[bias.dtype]) if bias is not None else (None, 0)
-    zeros = weight.zeros.data_ptr() if weight.zeros is not None else None
-    if cpu.native_function(kernel)(x.data_ptr(), cpu.DTYPE_CODES[x.dtype], weight.q.data_ptr(), weight.scales.data_ptr(), zeros,
-                       cpu.DTYPE_CODES[weight.scales.dtype], weight.bits, weight.group, *bias_args, out.data_ptr(),
-                       cpu.DTYPE_CODES[x.dtype], x.shape[0], weight.out_features, x.shape[1], prefetch,
-                       torch.get_num_threads()):
+    zeros, perm = (t.data_ptr() if t is not None else None for t in (weight.zeros, weight.perm))
+    if cpu.native_function(kernel)(x.data_ptr(), cpu.DTYPE_CODES[x.dtype], perm, weight.q.data_ptr(),
+                                   weight.scales.data_ptr(), zeros, cpu.DTYPE_CODES[weight.scales.dtype], weight.bits,
+                                   weight.group, *bias_args, out.data_ptr(), cpu.DTYPE_CODES[x.dtype], x.shape[0],
+                                   weight.out_features, x.shape[1], prefetch, torch.get_num_threads()):
         raise ValueError(f"quantised linear: the kernel refused bits {weight.bits}, group {weight.group}")
     return out

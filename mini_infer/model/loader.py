@@ -15,10 +15,12 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from mini_infer.config import ModelConfig
 from mini_infer.distributed.comm import Comm
 from mini_infer.distributed.shard import Shard
+from mini_infer.model import prequantized
 from mini_infer.model.ops import Ops
 from mini_infer.model.qwen2 import Qwen2ForCausalLM
 
@@ -54,24 +56,59 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"{model_dir}: no model.safetensors and no model.safetensors.index.json")
 
 
-def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the whole checkpoint with its shape (lm_head only when untied)."""
+def _projections(config: ModelConfig, layer: int) -> dict[str, tuple[int, int]]:
+    """Layer `layer`'s projections in the checkpoint (name without .weight -> [out_features, in_features])."""
     hidden, inter = config.hidden_size, config.intermediate_size
     q_size = config.num_attention_heads * config.head_dim
     kv_size = config.num_key_value_heads * config.head_dim
+    p = f"model.layers.{layer}."
+    return {f"{p}self_attn.q_proj": (q_size, hidden), f"{p}self_attn.k_proj": (kv_size, hidden),
+            f"{p}self_attn.v_proj": (kv_size, hidden), f"{p}self_attn.o_proj": (hidden, q_size),
+            f"{p}mlp.gate_proj": (inter, hidden), f"{p}mlp.up_proj": (inter, hidden),
+            f"{p}mlp.down_proj": (hidden, inter)}
+
+
+def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the whole checkpoint with its shape (lm_head only when untied); a pre-quantised checkpoint's
+    projections as their packed tensors (prequantized.packed_shapes), g_idx optional without act-order."""
+    hidden = config.hidden_size
     shapes = {"model.embed_tokens.weight": (config.vocab_size, hidden), "model.norm.weight": (hidden,)}
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, hidden)
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
-        for name, size in (("q", q_size), ("k", kv_size), ("v", kv_size)):
-            shapes[f"{p}self_attn.{name}_proj.weight"] = (size, hidden)
-            shapes[f"{p}self_attn.{name}_proj.bias"] = (size,)
-        shapes[f"{p}self_attn.o_proj.weight"] = (hidden, q_size)
-        shapes[f"{p}mlp.gate_proj.weight"] = shapes[f"{p}mlp.up_proj.weight"] = (inter, hidden)
-        shapes[f"{p}mlp.down_proj.weight"] = (hidden, inter)
+        for name, (out_features, in_features) in _projections(config, i).items():
+            if config.quantization is None:
+                shapes[f"{name}.weight"] = (out_features, in_features)
+                continue
+            packed = prequantized.packed_shapes(config.quantization, out_features, in_features)
+            shapes.update({f"{name}.{suffix}": shape for suffix, (shape, _) in packed.items()})
+        for name in ("q", "k", "v"):
+            shapes[f"{p}self_attn.{name}_proj.bias"] = (_projections(config, i)[f"{p}self_attn.{name}_proj"][0],)
         shapes[f"{p}input_layernorm.weight"] = shapes[f"{p}post_attention_layernorm.weight"] = (hidden,)
     return shapes
+
+
+def _optional(name: str, config: ModelConfig) -> bool:
+    """A tensor the checkpoint may leave out: GPTQ's g_idx without act-order (the inputs are then in group order)."""
+    quant = config.quantization
+    return quant is not None and quant.method == "gptq" and not quant.desc_act and name.endswith(".g_idx")
+
+
+def _quantized_linears(model: Qwen2ForCausalLM, config: ModelConfig,
+                       shard: Shard) -> list[tuple[nn.Module, str, list[tuple[str, int, int]]]]:
+    """A pre-quantised checkpoint's fused weights this rank holds: (module, attribute, its parts (checkpoint name,
+    out_features, in_features) in the order they stack)."""
+    linears = []
+    for i, layer in enumerate(model.layers, start=shard.layer_start):
+        p, proj = f"model.layers.{i}.", _projections(config, i)
+        for module, attr, names in ((layer.self_attn, "qkv_proj", ("self_attn.q_proj", "self_attn.k_proj",
+                                                                   "self_attn.v_proj")),
+                                    (layer.self_attn, "o_proj", ("self_attn.o_proj",)),
+                                    (layer.mlp, "gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+                                    (layer.mlp, "down_proj", ("mlp.down_proj",))):
+            linears.append((module, attr, [(p + name, *proj[p + name]) for name in names]))
+    return linears
 
 
 def _targets(model: Qwen2ForCausalLM, config: ModelConfig, shard: Shard) -> dict[str, list[_Target]]:
@@ -95,12 +132,14 @@ def _targets(model: Qwen2ForCausalLM, config: ModelConfig, shard: Shard) -> dict
         p = f"model.layers.{i}."
         attn, mlp_module = layer.self_attn, layer.mlp
         for name, start, rows in (("q", 0, heads), ("k", q_local, kv_heads), ("v", q_local + kv_local, kv_heads)):
-            targets[f"{p}self_attn.{name}_proj.weight"] = [_Target(attn.qkv_proj, start, rows)]
             targets[f"{p}self_attn.{name}_proj.bias"] = [_Target(attn.qkv_bias, start, rows)]
-        targets[f"{p}self_attn.o_proj.weight"] = [_Target(attn.o_proj, 0, cols=heads)]
-        targets[f"{p}mlp.gate_proj.weight"] = [_Target(mlp_module.gate_up_proj, 0, mlp)]
-        targets[f"{p}mlp.up_proj.weight"] = [_Target(mlp_module.gate_up_proj, inter, mlp)]
-        targets[f"{p}mlp.down_proj.weight"] = [_Target(mlp_module.down_proj, 0, cols=mlp)]
+            if config.quantization is None:
+                targets[f"{p}self_attn.{name}_proj.weight"] = [_Target(attn.qkv_proj, start, rows)]
+        if config.quantization is None:
+            targets[f"{p}self_attn.o_proj.weight"] = [_Target(attn.o_proj, 0, cols=heads)]
+            targets[f"{p}mlp.gate_proj.weight"] = [_Target(mlp_module.gate_up_proj, 0, mlp)]
+            targets[f"{p}mlp.up_proj.weight"] = [_Target(mlp_module.gate_up_proj, inter, mlp)]
+            targets[f"{p}mlp.down_proj.weight"] = [_Target(mlp_module.down_proj, 0, cols=mlp)]
         targets[f"{p}input_layernorm.weight"] = [_Target(layer.input_layernorm.weight, 0)]
         targets[f"{p}post_attention_layernorm.weight"] = [_Target(layer.post_attention_layernorm.weight, 0)]
     return targets
@@ -115,6 +154,10 @@ def load_weights(model: Qwen2ForCausalLM, config: ModelConfig, model_dir: Path) 
     shard = model.shard
     shapes = _expected_shapes(config)
     targets = _targets(model, config, shard)
+    linears = _quantized_linears(model, config, shard) if config.quantization is not None else []
+    held = {f"{name}.{suffix}" for _, _, parts in linears for name, *_ in parts for suffix in ("qweight", "qzeros",
+                                                                                                "scales", "g_idx")}
+    packed: dict[str, torch.Tensor] = {}  # this rank's pre-quantised tensors, unpacked once all are read
     _zero_vocab_padding(model, shard)
     loaded: set[str] = set()
     for file in checkpoint_files(model_dir):
@@ -132,13 +175,34 @@ def load_weights(model: Qwen2ForCausalLM, config: ModelConfig, model_dir: Path) 
                     raise ValueError(f"{file}: tensor {name!r} has shape {shape}, expected {shapes[name]} "
                                      "from config.json")
                 loaded.add(name)
+                if name in held:
+                    packed[name] = _packed_tensor(tensor, name, config, file)
                 for target in targets.get(name, ()):  # none: another rank's tensor
                     part = tensor[target.rows] if len(shape) == 1 else tensor[target.rows, target.cols]
                     target.param.data[target.row_start: target.row_start + part.shape[0]].copy_(part)
-    missing = sorted(set(shapes) - loaded)
+    missing = sorted(name for name in set(shapes) - loaded if not _optional(name, config))
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"{model_dir}: checkpoint is missing tensors: {shown}")
+    for module, attr, parts in linears:
+        weights = [prequantized.unpack(config.quantization, {suffix: packed.pop(f"{name}.{suffix}") for suffix in (
+            "qweight", "qzeros", "scales", "g_idx") if f"{name}.{suffix}" in packed}, out_features, in_features, name)
+                   for name, out_features, in_features in parts]
+        module._parameters.pop(attr)
+        setattr(module, attr, prequantized.concat(weights, f"{parts[0][0]} ({attr})"))
+
+
+def _packed_tensor(tensor, name: str, config: ModelConfig, file: Path) -> torch.Tensor:
+    """A pre-quantised projection's stored tensor, read whole, once its dtype is checked."""
+    suffix = name.rsplit(".", 1)[1]
+    layer_name = name.rsplit(".", 1)[0]
+    layer = int(layer_name.split(".")[2])
+    out_features, in_features = _projections(config, layer)[layer_name]
+    dtypes = prequantized.packed_shapes(config.quantization, out_features, in_features)[suffix][1]
+    value = tensor[:]
+    if value.dtype not in dtypes:
+        raise ValueError(f"{file}: tensor {name!r} is {value.dtype}, expected {' or '.join(map(str, dtypes))}")
+    return value
 
 
 def _zero_vocab_padding(model: Qwen2ForCausalLM, shard: Shard) -> None:

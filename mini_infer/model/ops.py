@@ -11,13 +11,14 @@ path everywhere (AMX for bf16, then AVX512_BF16, then AVX-512F, then AVX2). If t
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mini_infer.config import CPU_KERNEL_MODES
+from mini_infer.config import CPU_KERNEL_MODES, QUANTIZATION_METHODS
 from mini_infer.kernels import cpu, fused, quant
 from mini_infer.kernels.autotune import (BUCKETS, LinearTuner, bucket_index, last_level_cache_bytes, machine_key,
                                          timed_ms)
@@ -51,11 +52,16 @@ class TunedWeight:
 class Ops:
     native: bool  # the native CPU kernels run
     note: str  # why, for logs and benchmark reports
-    tuner: LinearTuner | None = None  # with the native kernels: None runs `path` everywhere
-    path: str = "avx2"  # the native matmul path without a tuner
-    quantization: str | None = None  # the linear weights quantised at load (config.QUANTIZATION_METHODS)
-    head_tuner: LinearTuner | None = None  # the LM head's, where its method (quant.HEAD_METHOD) differs
-    head_shapes: list[str] = field(default_factory=list)  # the weight shapes prepare() handed to head_tuner
+    tuner: LinearTuner | None = None  # float weights' with the native kernels: None runs `path` everywhere
+    path: str = "avx2"  # the native matmul path for float weights without a tuner
+    # The linear weights quantised at load (config.QUANTIZATION_METHODS), or the method a pre-quantised checkpoint's
+    # were quantised by (config.CHECKPOINT_QUANTIZATION).
+    quantization: str | None = None
+    quant_path: str = "avx2"  # the native path for quantised weights without a tuner
+    quant_timer: Callable[[quant.Scheme], LinearTuner] | None = None  # each scheme's tuner (with a float tuner)
+    quant_tuners: dict[quant.Scheme, LinearTuner] = field(default_factory=dict)  # made on first use
+    chosen: dict[str, list[str]] = field(default_factory=dict)  # per weight prepared (shape, scheme): its winners
+    dtype: torch.dtype = torch.float32  # the model's (its activations')
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | cpu.PackedWeight | TunedWeight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -127,100 +133,117 @@ class Ops:
         return q
 
     def prepare(self, linear_weights: list[tuple[nn.Module, str]]) -> None:
-        """Swap each named linear weight for the forms its matmuls run on: quantised where the engine quantises,
-        packed for the native kernels where they run."""
+        """Swap each named linear weight for the forms its matmuls run on: packed for the native kernels where they
+        run; quantised first where the engine quantises; a pre-quantised checkpoint's (already a QuantizedTensor)
+        packed as it is."""
         if not self.native and self.quantization is None:
             return
         for module, name in linear_weights:
-            weight = getattr(module, name).data
+            weight = getattr(module, name)
             module._parameters.pop(name, None)  # a tied head keeps the embedding registered under its own name
-            if self.quantization is not None:
-                head = name == "lm_head" and self.native and quant.HEAD_METHOD[self.quantization] != self.quantization
-                method, tuner = (quant.HEAD_METHOD[self.quantization], self.head_tuner) if head else \
-                    (self.quantization, self.tuner)
-                if head:
-                    self.head_shapes.append("x".join(map(str, weight.shape)))
-                setattr(module, name, self._quantized(weight, method, tuner))
+            method = self._method(name) if not isinstance(weight, quant.QuantizedTensor) else None
+            if method is not None:
+                weight = quant.quantize(weight.data, method, quant.scale_dtype(weight.dtype))
+            if isinstance(weight, quant.QuantizedTensor):
+                packed = self._packed_quantized(weight)
+                head = ", LM head" if name == "lm_head" else ""
+                self.chosen[f"{weight.out_features}x{weight.in_features} ({weight.scheme.name}{head})"] = \
+                    list(packed.winners)
+                setattr(module, name, packed)
                 continue
+            weight = weight.data
             if self.tuner is None:
                 setattr(module, name, cpu.pack_weight(weight, cpu.weight_layout(self.path, weight.dtype)))
                 continue
             winners = self.tuner.winners(*weight.shape)
+            self.chosen["x".join(map(str, weight.shape))] = list(winners)
             layouts = {cpu.weight_layout(w, weight.dtype) for w in winners if w != "torch"}
             setattr(module, name, TunedWeight({layout: cpu.pack_weight(weight, layout) for layout in sorted(layouts)},
                                               weight if "torch" in winners else None, winners))
-        for tuner in (self.tuner, self.head_tuner):
+        for tuner in (self.tuner, *self.quant_tuners.values()):
             if isinstance(getattr(tuner, "timer", None), _LinearTimer):
                 tuner.timer.release()
 
-    def _quantized(self, weight: torch.Tensor, method: str, tuner: LinearTuner | None) -> TunedWeight:
-        """The weight quantised by `method`, packed for its timed choices (or for `path`, or for torch's int4 matmul
-        without the native kernels)."""
-        qt = quant.quantize(weight, method, quant.scale_dtype(weight.dtype))
+    def _method(self, name: str) -> str | None:
+        """How the engine quantises the float weight `name` at load: None (it stays float) or a method."""
+        if self.quantization not in QUANTIZATION_METHODS:
+            return None  # no quantization, or a pre-quantised checkpoint's (its float weights stay so)
+        if name == "lm_head" and self.native:
+            return quant.HEAD_METHOD[self.quantization]
+        return self.quantization
+
+    def _packed_quantized(self, qt: quant.QuantizedTensor) -> TunedWeight:
+        """A quantised weight packed for its timed choices (or for `quant_path`, or for torch's int4 matmul without
+        the native kernels)."""
         if not self.native:
             winners = ("torch",) * len(BUCKETS)
-        elif tuner is None:
-            winners = (self.path,) * len(BUCKETS)
+        elif self.quant_timer is None:
+            winners = (self.quant_path,) * len(BUCKETS)
         else:
-            winners = tuner.winners(*weight.shape)
+            if qt.scheme not in self.quant_tuners:
+                self.quant_tuners[qt.scheme] = self.quant_timer(qt.scheme)
+            winners = self.quant_tuners[qt.scheme].winners(qt.out_features, qt.in_features)
         packed = {}
         if any(w != "torch" for w in winners):
             packed["quant"] = quant.pack_panels(qt)
         if "torch" in winners:
-            packed["int4pack"] = quant.pack_torch_int4(qt, weight.dtype)
+            packed["int4pack"] = quant.pack_torch_int4(qt, self.dtype)
         return TunedWeight(packed, None, winners)
 
     def matmul_choices(self) -> dict[str, list[str]] | None:
-        """What the autotuner chose per weight shape and bucket (None without one), for reports."""
-        if self.tuner is None:
-            return None
-        head = self.head_tuner.choices() if self.head_tuner is not None else {}
-        return {**self.tuner.choices(), **{f"{shape} (LM head, {quant.HEAD_METHOD[self.quantization]})": head[shape]
-                                           for shape in self.head_shapes if shape in head}}
+        """What the autotuner chose per weight shape (and quantisation scheme) and bucket (None without one), for
+        reports."""
+        return dict(self.chosen) if self.tuner is not None else None
 
 
 def select_ops(mode: str, dtype: torch.dtype, device: str | torch.device, quantization: str | None = None) -> Ops:
     assert mode in CPU_KERNEL_MODES, mode  # EngineConfig validated it
-    # int4 without the native kernels runs torch's int4 matmul; int8 has none (EngineConfig refuses that).
+    # int4 without the native kernels runs torch's int4 matmul; int8 and pre-quantised checkpoints have none
+    # (EngineConfig refuses those without the native kernels).
     weights = f"{quantization} weights, " if quantization else ""
     torch_matmul = "torch's int4 matmul" if quantization == "int4" else "torch ops"
     if mode == "off":
-        return Ops(False, f"{weights}{torch_matmul} (cpu_kernels off)", quantization=quantization)
+        return Ops(False, f"{weights}{torch_matmul} (cpu_kernels off)", quantization=quantization, dtype=dtype)
     if torch.device(device).type != "cpu" or dtype not in cpu.DTYPES:
         if mode == "on":
             raise ValueError(f"cpu_kernels 'on' runs bfloat16/float32 models on the CPU, not {dtype} on {device}")
         return Ops(False, f"{weights}{torch_matmul} (the native kernels cover bfloat16/float32 on the CPU, not "
-                          f"{dtype} on {device})", quantization=quantization)
+                          f"{dtype} on {device})", quantization=quantization, dtype=dtype)
     reason = cpu.unavailable_reason()
     if reason is not None:
-        if mode == "on" or quantization == "int8":
-            raise ValueError(f"cpu_kernels {mode!r}{' with int8 weights' if quantization else ''} but the native "
-                             f"kernels are unavailable: {reason}")
+        if mode == "on" or quantization not in (None, "int4"):
+            raise ValueError(f"cpu_kernels {mode!r}{f' with {quantization} weights' if quantization else ''} but the "
+                             f"native kernels are unavailable: {reason}")
         warnings.warn(f"native CPU kernels unavailable ({reason}); the model runs {torch_matmul}", stacklevel=2)
         return Ops(False, f"{weights}{torch_matmul} (native CPU kernels unavailable: {reason})",
-                   quantization=quantization)
-    paths = quant.quant_paths() if quantization else cpu.matmul_paths(dtype)
-    runnable = tuple(path for path, why in paths.items() if why is None)
+                   quantization=quantization, dtype=dtype)
+    paths = {**cpu.matmul_paths(dtype), **(quant.quant_paths() if quantization else {})}
+    float_paths = tuple(path for path, why in cpu.matmul_paths(dtype).items() if why is None)
+    quant_paths = tuple(path for path, why in quant.quant_paths().items() if why is None) if quantization else ()
     missing = "; ".join(f"{path}: {why}" for path, why in paths.items() if why is not None)
     lacking = f" (not here: {missing})" if missing else ""
-    head = quant.HEAD_METHOD.get(quantization, quantization)
-    if head != quantization:
+    head = quant.HEAD_METHOD.get(quantization, "the checkpoint's dtype")
+    if quantization is not None and head != quantization:
         weights = f"{quantization} weights, LM head {head}, "
     if mode == "on":
-        return Ops(True, f"native CPU kernels ({weights}{runnable[-1]} matmul with packed weights, paged decode "
-                         f"attention){lacking}", path=runnable[-1], quantization=quantization)
+        runs = f"{quant_paths[-1]} matmul for quantised weights, {float_paths[-1]}" if quantization else float_paths[-1]
+        return Ops(True, f"native CPU kernels ({weights}{runs} matmul with packed weights, paged decode "
+                         f"attention){lacking}", path=float_paths[-1], quantization=quantization,
+                   quant_path=quant_paths[-1] if quant_paths else "avx2", dtype=dtype)
     # torch's matmul is a candidate wherever it computes the same weights: always for float weights, for int4 ones
     # through its int4 kernel (int8 groups it has none for).
-    candidates = (*runnable, "torch") if quantization != "int8" else runnable
-    source = cpu.gemm_source() if not quantization else quant.kernel_source(quantization)
-    tuner = LinearTuner(machine_key(dtype, source), _LinearTimer(dtype, quantization), candidates)
-    head_tuner = None
-    if head != quantization:  # the head's method has its own timings (int8: the native paths only)
-        head_tuner = LinearTuner(machine_key(dtype, quant.kernel_source(head)), _LinearTimer(dtype, head), runnable)
-    torch_named = {None: " and torch's matmul", "int4": " and torch's int4 matmul", "int8": ""}[quantization]
+    tuner = LinearTuner(machine_key(dtype, cpu.gemm_source()), _LinearTimer(dtype), (*float_paths, "torch"))
+    quant_timer = None
+    if quantization is not None:
+        def quant_timer(scheme: quant.Scheme) -> LinearTuner:
+            torch_int4 = ("torch",) if quant.torch_int4_available(scheme, dtype) is None else ()
+            return LinearTuner(machine_key(dtype, quant.kernel_source(scheme)), _LinearTimer(dtype, scheme),
+                               (*quant_paths, *torch_int4))
+    candidates = ", ".join(quant_paths if quantization else float_paths)
+    torch_named = {None: " and torch's matmul", "int4": " and torch's int4 matmul"}.get(quantization, "")
     return Ops(True, f"native CPU kernels ({weights}paged decode attention; per weight shape and batch size, the "
-                     f"fastest of {', '.join(runnable)}{torch_named}, timed once: {tuner.path}){lacking}", tuner,
-               quantization=quantization, head_tuner=head_tuner)
+                     f"fastest of {candidates}{torch_named}, timed once: {tuner.path.parent}){lacking}", tuner,
+               quantization=quantization, quant_timer=quant_timer, dtype=dtype)
 
 
 class _LinearTimer:
@@ -233,8 +256,8 @@ class _LinearTimer:
 
     STREAMING_ROWS = 64
 
-    def __init__(self, dtype: torch.dtype, quantization: str | None = None) -> None:
-        self.dtype, self.quantization, self._shape, self._weights, self._rows = dtype, quantization, None, {}, {}
+    def __init__(self, dtype: torch.dtype, scheme: quant.Scheme | None = None) -> None:
+        self.dtype, self.scheme, self._shape, self._weights, self._rows = dtype, scheme, None, {}, {}
         self._evict_buffer: torch.Tensor | None = None
 
     def release(self) -> None:
@@ -252,16 +275,16 @@ class _LinearTimer:
             self._shape, self._rows = (out_features, in_features), {}
             dense = torch.randn(out_features, in_features).to(self.dtype)
             self._weights = {"torch": dense}
-            if self.quantization is not None:
-                qt = quant.quantize(dense, self.quantization, quant.scale_dtype(self.dtype))
+            if self.scheme is not None:
+                qt = quant.quantize(dense, self.scheme, self.scheme.scale_dtype)
                 self._weights = {"quant": quant.pack_panels(qt)}
-                if self.quantization == "int4":
+                if quant.torch_int4_available(self.scheme, self.dtype) is None:
                     self._weights["torch"] = quant.pack_torch_int4(qt, self.dtype)
         if rows not in self._rows:
             self._rows[rows] = torch.randn(rows, in_features).to(self.dtype)
         x = self._rows[rows]
         before = self._evict if rows <= self.STREAMING_ROWS else None
-        if self.quantization is not None:
+        if self.scheme is not None:
             if candidate == "torch":
                 weight = self._weights["torch"]
                 return timed_ms(lambda: quant.torch_int4_linear(x, weight), before)
