@@ -31,7 +31,7 @@ def _words(values: np.ndarray, bits: int, axis: int, order: list[int] | None = N
     """Pack non-negative integers `bits` wide into int32 words along `axis` (0: rows, 1: columns), the j-th
     field of a word taking element j (or order[j]) of its run."""
     per = 32 // bits
-    values = values.astype(np.uint64)
+    values = (values.astype(np.int64) & ((1 << bits) - 1)).astype(np.uint64)  # v1's zero - 1 of a zero 0: all ones
     if axis == 0:
         runs = values.reshape(values.shape[0] // per, per, values.shape[1])
         fields = [runs[:, j, :] for j in range(per)]

@@ -224,3 +224,20 @@ def test_a_missing_act_order_g_idx_and_a_wrong_dtype_are_named(checkpoints, tmp_
     save_file(tensors, f"{path}/model.safetensors")
     with pytest.raises(ValueError, match="'model.layers.0.mlp.up_proj.qweight' is torch.float32, expected torch.int32"):
         LLM(path)
+
+
+def test_pipeline_stages_load_their_layers_of_a_prequantised_checkpoint(checkpoints):
+    """Two pipeline stages, each loading (and unpacking) only its own layer, give the single process's tokens."""
+    import os
+
+    from conftest import descendants
+
+    path = checkpoints["gptq-int4-act-order"][0]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    expected = [o.token_ids for o in _logprobs(LLM(path, dtype="float32"), PROMPTS[:3], greedy)]
+    llm = LLM(path, dtype="float32", pipeline_parallel_size=2)
+    try:
+        assert [o.token_ids for o in _logprobs(llm, PROMPTS[:3], greedy)] == expected
+    finally:
+        llm.engine.shutdown()
+    assert descendants(os.getpid()) == []
