@@ -280,8 +280,8 @@ class EngineConfig:
                 raise ValueError(f"quantization {self.quantization!r} loads a {self.quantization.upper()} checkpoint, "
                                  f"but {self.model}/config.json has no quantization_config")
             if self.quantization not in QUANTIZATION_METHODS:
-                raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS + CHECKPOINT_QUANTIZATION)} "
-                                 f"(or None), got {self.quantization!r}")
+                methods = ", ".join(QUANTIZATION_METHODS + CHECKPOINT_QUANTIZATION)
+                raise ValueError(f"quantization must be one of {methods} (or None), got {self.quantization!r}")
             if torch.device(self.device).type != "cpu" or self.torch_dtype == torch.float64:
                 raise ValueError(f"quantization {self.quantization!r} runs bfloat16, float16 or float32 models on the "
                                  f"CPU, not {self.torch_dtype} on {self.device}")

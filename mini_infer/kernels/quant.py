@@ -1,12 +1,15 @@
 """Weight-only quantisation of linear weights: int8 and int4, group-wise along the input features.
 
 - int8: symmetric, w = q * scale per group of GROUP_SIZE["int8"] inputs, q in [-127, 127].
-- int4: asymmetric, w = (q - 8) * scale + zero per group of GROUP_SIZE["int4"] inputs, q in [0, 15] (torch's int4
-  form, so its `_weight_int4pack_mm_for_cpu` computes the same weights).
+- int4: symmetric, w = (q - 8) * scale per group of GROUP_SIZE["int4"] inputs, q in [0, 15], by llama.cpp's Q4_0 rule
+  (scale = the group's largest |w|, signed, / -8), torch's int4 form with zero points 0, so its
+  `_weight_int4pack_mm_for_cpu` computes the same weights. Pre-quantised checkpoints (model/prequantized.py) add int4
+  with a zero point per group, w = (q - 8) * scale + zero.
 
 A weight is quantised once into a `QuantizedTensor` (the integers and per-group scales, row-major), from which each
 matmul that can run it takes its own packed copy: mini-infer's kernel (cpu_gemm_quant.cpp, AVX2 or AVX-512: x rounded
-to int16 per group, the weights widened in registers, exact integer sums per group) reads `QuantPanels`; torch's int4 matmul reads `TorchInt4Pack`.
+to int16 per group, the weights widened in registers, exact integer sums per group) reads `QuantPanels`; torch's int4
+matmul reads `TorchInt4Pack`.
 Scales and zeros are rounded to the model's dtype where it is bfloat16 or float16 (stored as bfloat16 for a bf16
 model, 2 bytes per group and column), so that every candidate, torch's included, multiplies the same numbers.
 """
@@ -25,13 +28,16 @@ from mini_infer.kernels.build import KernelUnavailable
 
 # Inputs per scale. 32 as llama.cpp's Q8_0 / Q4_0 blocks: per output channel (int8) or groups of 128 (int4) gave
 # a larger mean KL divergence from the bf16 model than llama.cpp's formats of the same bits (docs/BENCHMARKS.md).
+# int4 is symmetric (Q4_0's integers for a bf16 checkpoint, 4.5 bits a weight): with a zero point per group too (5
+# bits) its KL was 23 % lower, but the top-1 token matched the bf16 model's at 27 % of positions against Q4_0's 31 %
+# on the random 0.5B model, whose top-1 tokens are few (two of them 27 % of the positions), so that one coherent
+# shift flips many; Q4_0's rule matched at 31 %.
 GROUP_SIZE = {"int8": 32, "int4": 32}
-# The LM head's method: int4 models keep it in int8, as llama.cpp's Q4_0 keeps its output tensor at 6-8 bits: with
-# the head in int4 too, the top-1 token differed from the bf16 model's at 75 % of positions against Q4_0's 69 %
-# (73 % with it in int8; KL 0.039 and 0.038 against 0.048; docs/BENCHMARKS.md). Only where the native kernels run (torch has no int8 group matmul).
+# The LM head's method: int4 models keep it in int8, as llama.cpp's Q4_0 mix keeps its output tensor at 6-8 bits
+# (with the head in int4 too, the top-1 token differed from the bf16 model's at 75 % of positions; docs/BENCHMARKS.md).
+# Only where the native kernels run (torch has no int8 group matmul).
 HEAD_METHOD = {"int8": "int8", "int4": "int8"}
 PANEL = 16  # output columns per panel (cpu_gemm_quant.cpp)
-INTERLEAVE = 8  # panels whose steps alternate in memory (cpu_gemm_quant.cpp)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +59,7 @@ def method_scheme(method: str, dtype: torch.dtype) -> Scheme:
     """The scheme a float weight of a `dtype` model is quantised to by `method` (QUANTIZATION_METHODS)."""
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {method!r}")
-    return Scheme(8 if method == "int8" else 4, GROUP_SIZE[method], method == "int4", scale_dtype(dtype))
+    return Scheme(8 if method == "int8" else 4, GROUP_SIZE[method], False, scale_dtype(dtype))
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,10 +136,11 @@ def quantize(weight: torch.Tensor, method: str | Scheme, scale_dtype: torch.dtyp
         safe = torch.where(scales == 0, torch.ones_like(scales), scales)
         q = torch.round(w / safe[..., None]).clamp_(-127, 127).to(torch.int8)
         return QuantizedTensor(q.view(out_features, padded), scales, None, 8, group, in_features, scale_dtype)
-    if not scheme.zeros:  # symmetric int4: (q - 8) * scale
-        scales = rounded(w.abs().amax(dim=-1) / 8)
+    if not scheme.zeros:  # symmetric int4, llama.cpp's Q4_0 rule: the group's largest |w| is q = 0 exactly
+        largest = w.gather(-1, w.abs().argmax(dim=-1, keepdim=True))[..., 0]  # signed
+        scales = rounded(largest / -8)
         safe = torch.where(scales == 0, torch.ones_like(scales), scales)
-        q = torch.round(w / safe[..., None] + 8).clamp_(0, 15).to(torch.uint8)
+        q = torch.floor(w / safe[..., None] + 8.5).clamp_(0, 15).to(torch.uint8)
         return QuantizedTensor(q.view(out_features, padded), scales, None, 4, group, in_features, scale_dtype)
     low, high = w.amin(dim=-1), w.amax(dim=-1)
     scales = rounded((high - low) / 15)
@@ -147,9 +154,9 @@ def quantize(weight: torch.Tensor, method: str | Scheme, scale_dtype: torch.dtyp
 class QuantPanels:
     """A QuantizedTensor in cpu_gemm_quant.cpp's layout: q in panels of 16 output columns, in steps of 4 bytes per
     column holding 4 k (int8, in the order k, k + 2, k + 1, k + 3) or 8 k (int4, k + d in nibble d / 2 for even d and
-    4 + d / 2 for odd d), each block of 8 panels (the last padded with zero panels) storing its panels' steps in turn,
-    [ceil(P / 8), Kp / 4 or Kp / 8, 8, 16, 4] bytes; scales and zeros likewise [ceil(P / 8), Kp / group, 8, 16]
-    (bfloat16 where they hold bf16 values, else float32); perm int32 [K] as QuantizedTensor's, or None."""
+    4 + d / 2 for odd d), each panel's steps in turn, [P, Kp / 4 or Kp / 8, 16, 4] bytes; scales and zeros likewise
+    [P, Kp / group, 16] (bfloat16 where they hold bf16 values, else float32); perm int32 [K] as QuantizedTensor's, or
+    None."""
 
     q: torch.Tensor
     scales: torch.Tensor
@@ -186,18 +193,10 @@ def pack_panels(qt: QuantizedTensor) -> QuantPanels:
         value = (nibbles << shifts).sum(dim=-1)  # the 32-bit word, little-endian bytes below
         words = torch.stack([(value >> (8 * b)) & 0xFF for b in range(4)], dim=-1).to(torch.uint8)
     stored = torch.bfloat16 if qt.scale_dtype == torch.bfloat16 else torch.float32
-    zeros = _blocks(_panels(qt.zeros.to(stored))) if qt.zeros is not None else None
+    zeros = _panels(qt.zeros.to(stored)) if qt.zeros is not None else None
     perm = qt.perm.to(torch.int32).contiguous() if qt.perm is not None else None
-    return QuantPanels(_blocks(_panels(words)), _blocks(_panels(qt.scales.to(stored))), zeros, qt.bits, qt.group,
+    return QuantPanels(_panels(words), _panels(qt.scales.to(stored)), zeros, qt.bits, qt.group,
                        qt.out_features, qt.in_features, perm)
-
-
-def _blocks(t: torch.Tensor) -> torch.Tensor:
-    """Panels [P, C, ...] in blocks of 8 (the last padded with zero panels), each block's panels in turn along C:
-    [ceil(P / 8), C, 8, ...]."""
-    blocks = -(-t.shape[0] // INTERLEAVE)
-    t = torch.cat([t, t.new_zeros(blocks * INTERLEAVE - t.shape[0], *t.shape[1:])])
-    return t.view(blocks, INTERLEAVE, *t.shape[1:]).transpose(1, 2).contiguous()
 
 
 @dataclass(frozen=True, slots=True)
