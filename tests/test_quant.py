@@ -88,8 +88,18 @@ def reference_and_bound(x: torch.Tensor, qt: quant.QuantizedTensor, bias: torch.
     return expected, rounding + float_error
 
 
+# The kernel's schemes: the two quantised at load, and int4 with zero points (GPTQ / AWQ checkpoints).
+KERNEL_SCHEMES = (*METHODS, "int4-zeros")
+
+
+def quantized(weight: torch.Tensor, scheme: str, dtype: torch.dtype) -> quant.QuantizedTensor:
+    if scheme == "int4-zeros":
+        return quant.quantize(weight, quant.Scheme(4, 32, True, quant.scale_dtype(dtype)), quant.scale_dtype(dtype))
+    return quant.quantize(weight, scheme, quant.scale_dtype(dtype))
+
+
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", KERNEL_SCHEMES)
 @pytest.mark.parametrize("rows,cols,inner", SHAPES)
 def test_kernel_matches_float64_matmul_by_the_dequantised_weights(path, method, rows, cols, inner):
     skip_unless_runs(path)
@@ -97,7 +107,7 @@ def test_kernel_matches_float64_matmul_by_the_dequantised_weights(path, method, 
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(rows, inner, generator=gen).to(dtype)
         x[0, : min(inner, 5)] *= 40  # a row whose groups span very different magnitudes
-        qt = quant.quantize(torch.randn(cols, inner, generator=gen), method, quant.scale_dtype(dtype))
+        qt = quantized(torch.randn(cols, inner, generator=gen), method, dtype)
         bias = torch.randn(cols, generator=gen).to(dtype) if rows % 2 else None
         out = quant.quant_linear(x, quant.pack_panels(qt), bias, path)
         assert out.dtype == dtype and out.shape == (rows, cols)
@@ -113,8 +123,8 @@ def test_kernel_rows_are_independent_of_the_batch(path):
     lets a quantised engine batch without changing a request's tokens."""
     skip_unless_runs(path)
     gen = torch.Generator().manual_seed(3)
-    for method in METHODS:
-        packed = quant.pack_panels(quant.quantize(torch.randn(70, 100, generator=gen), method, torch.float32))
+    for method in KERNEL_SCHEMES:
+        packed = quant.pack_panels(quantized(torch.randn(70, 100, generator=gen), method, torch.float32))
         x = torch.randn(11, 100, generator=gen)
         together = quant.quant_linear(x, packed, None, path)
         for rows in (slice(0, 1), slice(3, 5), slice(2, 9)):
@@ -125,7 +135,7 @@ def test_kernel_rows_are_independent_of_the_batch(path):
 def test_torch_int4_matmul_computes_the_same_weights(dtype):
     gen = torch.Generator().manual_seed(5)
     qt = quant.quantize(torch.randn(40, 70, generator=gen), "int4", quant.scale_dtype(dtype))
-    assert quant.torch_int4_available(qt, dtype) is None
+    assert quant.torch_int4_available(qt.scheme, dtype) is None
     x = torch.randn(3, 70, generator=gen).to(dtype)
     out = quant.torch_int4_linear(x, quant.pack_torch_int4(qt, dtype))
     expected = x.double() @ qt.dequantize().double().T
@@ -136,9 +146,11 @@ def test_torch_int4_matmul_computes_the_same_weights(dtype):
 
 def test_torch_int4_refuses_what_it_would_round_and_int8_groups():
     qt = quant.quantize(torch.randn(16, 32), "int4", torch.float32)
-    assert "round" in quant.torch_int4_available(qt, torch.bfloat16)
-    assert "int8" in quant.torch_int4_available(quant.quantize(torch.randn(16, 32), "int8", torch.float32),
-                                                torch.float32)
+    assert "round" in quant.torch_int4_available(qt.scheme, torch.bfloat16)  # float32 scales, bf16 activations
+    assert quant.torch_int4_available(quant.Scheme(4, 32, False, torch.float16), torch.float32) is None
+    assert "groups of 32, 64, 128 or 256, not 512" in quant.torch_int4_available(
+        quant.Scheme(4, 512, True, torch.float32), torch.float32)
+    assert "int8" in quant.torch_int4_available(quant.method_scheme("int8", torch.float32), torch.float32)
     with pytest.raises(ValueError, match="round"):
         quant.pack_torch_int4(qt, torch.bfloat16)
 
