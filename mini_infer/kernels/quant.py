@@ -115,8 +115,8 @@ def kernel_source(scheme: Scheme) -> str:
 
 
 def quantize(weight: torch.Tensor, method: str | Scheme, scale_dtype: torch.dtype) -> QuantizedTensor:
-    """Quantise a 2-d float weight by `method` (QUANTIZATION_METHODS, or a Scheme: its bits, group and zero points),
-    its scales (and zeros) rounded to `scale_dtype`."""
+    """Quantise a 2-d float weight by `method` (QUANTIZATION_METHODS, its scales (and zeros) rounded to `scale_dtype`;
+    or a Scheme: its bits, group, zero points and scale dtype, `scale_dtype` then unused)."""
     scheme = method if isinstance(method, Scheme) else method_scheme(method, scale_dtype)
     scale_dtype = scheme.scale_dtype
     if scheme.bits not in (4, 8) or (scheme.bits == 8 and scheme.zeros):

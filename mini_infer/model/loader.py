@@ -76,15 +76,15 @@ def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, hidden)
     for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        for name, (out_features, in_features) in _projections(config, i).items():
+        p, projections = f"model.layers.{i}.", _projections(config, i)
+        for name, (out_features, in_features) in projections.items():
             if config.quantization is None:
                 shapes[f"{name}.weight"] = (out_features, in_features)
                 continue
             packed = prequantized.packed_shapes(config.quantization, out_features, in_features)
             shapes.update({f"{name}.{suffix}": shape for suffix, (shape, _) in packed.items()})
         for name in ("q", "k", "v"):
-            shapes[f"{p}self_attn.{name}_proj.bias"] = (_projections(config, i)[f"{p}self_attn.{name}_proj"][0],)
+            shapes[f"{p}self_attn.{name}_proj.bias"] = (projections[f"{p}self_attn.{name}_proj"][0],)
         shapes[f"{p}input_layernorm.weight"] = shapes[f"{p}post_attention_layernorm.weight"] = (hidden,)
     return shapes
 
@@ -155,9 +155,11 @@ def load_weights(model: Qwen2ForCausalLM, config: ModelConfig, model_dir: Path) 
     shapes = _expected_shapes(config)
     targets = _targets(model, config, shard)
     linears = _quantized_linears(model, config, shard) if config.quantization is not None else []
-    held = {f"{name}.{suffix}" for _, _, parts in linears for name, *_ in parts for suffix in ("qweight", "qzeros",
-                                                                                                "scales", "g_idx")}
-    packed: dict[str, torch.Tensor] = {}  # this rank's pre-quantised tensors, unpacked once all are read
+    # this rank's pre-quantised tensors: checkpoint name -> (its projection, suffix, the dtypes it may have)
+    held = {f"{name}.{suffix}": (name, suffix, dtypes) for _, _, parts in linears for name, out_features, in_features
+            in parts for suffix, (_, dtypes) in prequantized.packed_shapes(config.quantization, out_features,
+                                                                           in_features).items()}
+    packed: dict[str, dict[str, torch.Tensor]] = {}  # projection -> suffix -> tensor, unpacked once all are read
     _zero_vocab_padding(model, shard)
     loaded: set[str] = set()
     for file in checkpoint_files(model_dir):
@@ -176,7 +178,8 @@ def load_weights(model: Qwen2ForCausalLM, config: ModelConfig, model_dir: Path) 
                                      "from config.json")
                 loaded.add(name)
                 if name in held:
-                    packed[name] = _packed_tensor(tensor, name, config, file)
+                    projection, suffix, dtypes = held[name]
+                    packed.setdefault(projection, {})[suffix] = _packed_tensor(tensor, name, dtypes, file)
                 for target in targets.get(name, ()):  # none: another rank's tensor
                     part = tensor[target.rows] if len(shape) == 1 else tensor[target.rows, target.cols]
                     target.param.data[target.row_start: target.row_start + part.shape[0]].copy_(part)
@@ -185,20 +188,14 @@ def load_weights(model: Qwen2ForCausalLM, config: ModelConfig, model_dir: Path) 
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"{model_dir}: checkpoint is missing tensors: {shown}")
     for module, attr, parts in linears:
-        weights = [prequantized.unpack(config.quantization, {suffix: packed.pop(f"{name}.{suffix}") for suffix in (
-            "qweight", "qzeros", "scales", "g_idx") if f"{name}.{suffix}" in packed}, out_features, in_features, name)
+        weights = [prequantized.unpack(config.quantization, packed.pop(name), out_features, in_features, name)
                    for name, out_features, in_features in parts]
         module._parameters.pop(attr)
         setattr(module, attr, prequantized.concat(weights, f"{parts[0][0]} ({attr})"))
 
 
-def _packed_tensor(tensor, name: str, config: ModelConfig, file: Path) -> torch.Tensor:
+def _packed_tensor(tensor, name: str, dtypes: tuple[torch.dtype, ...], file: Path) -> torch.Tensor:
     """A pre-quantised projection's stored tensor, read whole, once its dtype is checked."""
-    suffix = name.rsplit(".", 1)[1]
-    layer_name = name.rsplit(".", 1)[0]
-    layer = int(layer_name.split(".")[2])
-    out_features, in_features = _projections(config, layer)[layer_name]
-    dtypes = prequantized.packed_shapes(config.quantization, out_features, in_features)[suffix][1]
     value = tensor[:]
     if value.dtype not in dtypes:
         raise ValueError(f"{file}: tensor {name!r} is {value.dtype}, expected {' or '.join(map(str, dtypes))}")

@@ -217,9 +217,10 @@ def select_ops(mode: str, dtype: torch.dtype, device: str | torch.device, quanti
         warnings.warn(f"native CPU kernels unavailable ({reason}); the model runs {torch_matmul}", stacklevel=2)
         return Ops(False, f"{weights}{torch_matmul} (native CPU kernels unavailable: {reason})",
                    quantization=quantization, dtype=dtype)
-    paths = {**cpu.matmul_paths(dtype), **(quant.quant_paths() if quantization else {})}
-    float_paths = tuple(path for path, why in cpu.matmul_paths(dtype).items() if why is None)
-    quant_paths = tuple(path for path, why in quant.quant_paths().items() if why is None) if quantization else ()
+    float_why, quant_why = cpu.matmul_paths(dtype), quant.quant_paths() if quantization else {}
+    paths = {**float_why, **quant_why}
+    float_paths = tuple(path for path, why in float_why.items() if why is None)
+    quant_paths = tuple(path for path, why in quant_why.items() if why is None)
     missing = "; ".join(f"{path}: {why}" for path, why in paths.items() if why is not None)
     lacking = f" (not here: {missing})" if missing else ""
     head = quant.HEAD_METHOD.get(quantization, "the checkpoint's dtype")
