@@ -159,7 +159,7 @@ def test_torch_int4_refuses_what_it_would_round_and_int8_groups():
 def test_kernel_refuses_bits_and_groups_out_of_range(bits, group):
     skip_unless_runs("avx2")
     packed = quant.pack_panels(quant.quantize(torch.randn(16, 32), "int8", torch.float32))
-    bad = quant.QuantPanels(packed.q, packed.scales, None, bits, group, 16, 32)
+    bad = quant.QuantPanels(packed.data, packed.scale_dtype, False, bits, group, 16, 32)
     with pytest.raises(ValueError, match="refused"):
         quant.quant_linear(torch.randn(1, 32), bad)
 

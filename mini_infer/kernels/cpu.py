@@ -30,9 +30,9 @@ DTYPES = (torch.bfloat16, torch.float32)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the kernels' dtype arguments
 PANEL = 16  # output columns per panel of a packed weight (cpu_gemm*.cpp)
 _P, _I, _F, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
-# gemm_quant(x, x_dtype, perm, q, scale, zero, scale_dtype, bits, group, bias, bias_dtype, out, out_dtype, M, N, K,
+# gemm_quant(x, x_dtype, perm, panels, zeros, scale_dtype, bits, group, bias, bias_dtype, out, out_dtype, M, N, K,
 # prefetch, threads)
-_QUANT_ARGS = [_P, _I, _P, _P, _P, _P] + [_I] * 3 + [_P, _I, _P] + [_I] * 6
+_QUANT_ARGS = [_P, _I, _P, _P] + [_I] * 4 + [_P, _I, _P] + [_I] * 6
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,8 +20,8 @@ _P, _I = ctypes.c_void_p, ctypes.c_int
 
 
 class _Matmul(ctypes.Structure):
-    _fields_ = [("kernel", _P), ("weight", _P), ("kind", _I), ("w_dtype", _I), ("prefetch", _I),
-                ("scales", _P), ("zeros", _P), ("perm", _P), ("bits", _I), ("group", _I), ("scale_dtype", _I)]
+    _fields_ = [("kernel", _P), ("weight", _P), ("kind", _I), ("w_dtype", _I), ("prefetch", _I), ("perm", _P),
+                ("zeros", _I), ("bits", _I), ("group", _I), ("scale_dtype", _I)]
 
 
 class _Layer(ctypes.Structure):
@@ -113,9 +113,9 @@ class DecoderStack:
     def _matmul(dtype: torch.dtype, path: str, weight: cpu.PackedWeight | quant.QuantPanels) -> _Matmul:
         if isinstance(weight, quant.QuantPanels):
             kernel, prefetch = quant.QUANT_KERNELS[path]
-            zeros, perm = (t.data_ptr() if t is not None else None for t in (weight.zeros, weight.perm))
-            return _Matmul(_address(kernel), weight.q.data_ptr(), _QUANT_KIND, 0, prefetch, weight.scales.data_ptr(),
-                           zeros, perm, weight.bits, weight.group, cpu.DTYPE_CODES[weight.scales.dtype])
+            perm = weight.perm.data_ptr() if weight.perm is not None else None
+            return _Matmul(_address(kernel), weight.data.data_ptr(), _QUANT_KIND, 0, prefetch, perm, int(weight.zeros),
+                           weight.bits, weight.group, cpu.DTYPE_CODES[weight.scale_dtype])
         kernel = cpu.matmul_kernel(dtype, weight, path)
         prefetch = cpu.MATMUL_PATHS[path].prefetch
         return _Matmul(_address(kernel), weight.data.data_ptr(), cpu.GEMM_KINDS[kernel],

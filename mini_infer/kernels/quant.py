@@ -152,15 +152,16 @@ def quantize(weight: torch.Tensor, method: str | Scheme, scale_dtype: torch.dtyp
 
 @dataclass(frozen=True, slots=True)
 class QuantPanels:
-    """A QuantizedTensor in cpu_gemm_quant.cpp's layout: q in panels of 16 output columns, in steps of 4 bytes per
-    column holding 4 k (int8, in the order k, k + 2, k + 1, k + 3) or 8 k (int4, k + d in nibble d / 2 for even d and
-    4 + d / 2 for odd d), each panel's steps in turn, [P, Kp / 4 or Kp / 8, 16, 4] bytes; scales and zeros likewise
-    [P, Kp / group, 16] (bfloat16 where they hold bf16 values, else float32); perm int32 [K] as QuantizedTensor's, or
+    """A QuantizedTensor in cpu_gemm_quant.cpp's layout: panels of 16 output columns, each one run of bytes (a row
+    of `data`, uint8 [P, panel bytes]): its scales [Kp / group, 16] (bfloat16 where they hold bf16 values, else
+    float32), its zeros likewise (int4 with zero points), zero-padded to a multiple of 64 bytes, then its q in steps
+    of 4 bytes per column holding 4 k (int8, in the order k, k + 2, k + 1, k + 3) or 8 k (int4, k + d in nibble d / 2
+    for even d and 4 + d / 2 for odd d), [Kp / 4 or Kp / 8, 16, 4] bytes; perm int32 [K] as QuantizedTensor's, or
     None."""
 
-    q: torch.Tensor
-    scales: torch.Tensor
-    zeros: torch.Tensor | None
+    data: torch.Tensor
+    scale_dtype: torch.dtype  # the scales' and zeros' storage: bfloat16 or float32
+    zeros: bool
     bits: int
     group: int
     out_features: int
@@ -168,7 +169,7 @@ class QuantPanels:
     perm: torch.Tensor | None = None
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.q, self.scales, self.zeros, self.perm) if t is not None]
+        return [t for t in (self.data, self.perm) if t is not None]
 
 
 def _panels(t: torch.Tensor) -> torch.Tensor:
@@ -193,10 +194,13 @@ def pack_panels(qt: QuantizedTensor) -> QuantPanels:
         value = (nibbles << shifts).sum(dim=-1)  # the 32-bit word, little-endian bytes below
         words = torch.stack([(value >> (8 * b)) & 0xFF for b in range(4)], dim=-1).to(torch.uint8)
     stored = torch.bfloat16 if qt.scale_dtype == torch.bfloat16 else torch.float32
-    zeros = _panels(qt.zeros.to(stored)) if qt.zeros is not None else None
+    q = _panels(words)
+    head = [_panels(t.to(stored)).view(q.shape[0], -1).view(torch.uint8)
+            for t in (qt.scales, qt.zeros) if t is not None]
+    head.append(q.new_zeros(q.shape[0], -sum(t.shape[1] for t in head) % 64))
+    data = torch.cat([*head, q.view(q.shape[0], -1)], dim=1)
     perm = qt.perm.to(torch.int32).contiguous() if qt.perm is not None else None
-    return QuantPanels(_panels(words), _panels(qt.scales.to(stored)), zeros, qt.bits, qt.group,
-                       qt.out_features, qt.in_features, perm)
+    return QuantPanels(data, stored, qt.zeros is not None, qt.bits, qt.group, qt.out_features, qt.in_features, perm)
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,10 +290,10 @@ def quant_linear(x: torch.Tensor, weight: QuantPanels, bias: torch.Tensor | None
     x = x.contiguous()
     out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)
     bias_args = (bias.contiguous().data_ptr(), cpu.DTYPE_CODES[bias.dtype]) if bias is not None else (None, 0)
-    zeros, perm = (t.data_ptr() if t is not None else None for t in (weight.zeros, weight.perm))
-    if cpu.native_function(kernel)(x.data_ptr(), cpu.DTYPE_CODES[x.dtype], perm, weight.q.data_ptr(),
-                                   weight.scales.data_ptr(), zeros, cpu.DTYPE_CODES[weight.scales.dtype], weight.bits,
-                                   weight.group, *bias_args, out.data_ptr(), cpu.DTYPE_CODES[x.dtype], x.shape[0],
+    perm = weight.perm.data_ptr() if weight.perm is not None else None
+    if cpu.native_function(kernel)(x.data_ptr(), cpu.DTYPE_CODES[x.dtype], perm, weight.data.data_ptr(),
+                                   int(weight.zeros), cpu.DTYPE_CODES[weight.scale_dtype], weight.bits, weight.group,
+                                   *bias_args, out.data_ptr(), cpu.DTYPE_CODES[x.dtype], x.shape[0],
                                    weight.out_features, x.shape[1], prefetch, torch.get_num_threads()):
         raise ValueError(f"quantised linear: the kernel refused bits {weight.bits}, group {weight.group}")
     return out
