@@ -12,6 +12,7 @@ _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 # Far outside this range, float32 logits divided or multiplied by the penalty overflow or vanish.
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 1e6
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 
 
 class RequestOutputKind(Enum):
@@ -38,6 +39,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before penalties and sampling
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: list[str] = field(init=False)
@@ -49,6 +51,9 @@ class SamplingParams:
                "must be a list of token ids", self.stop_token_ids)
         self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        _check(self.logit_bias is None or isinstance(self.logit_bias, dict), "logit_bias",
+               "must be a dict of token id -> bias", self.logit_bias)
+        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         self._validate()
 
     def _validate(self) -> None:
@@ -81,6 +86,11 @@ class SamplingParams:
                "must be non-negative integers", self.stop_token_ids)
         _check(all(isinstance(s, str) and s for s in self.stop_strings), "stop", "must be non-empty strings",
                self.stop)
+        for token_id, bias in (self.logit_bias or {}).items():
+            _check(_is_int(token_id) and token_id >= 0, "logit_bias", "keys must be token ids (integers >= 0)",
+                   token_id)
+            _check(_is_number(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS, "logit_bias",
+                   f"values must be numbers in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", bias)
         _check(isinstance(self.output_kind, RequestOutputKind), "output_kind", "must be a RequestOutputKind",
                self.output_kind)
 

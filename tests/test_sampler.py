@@ -454,6 +454,48 @@ def test_min_tokens_mask_holds_when_sampling(backend):
     assert set(tokens.tolist()) == set(range(6))
 
 
+# ---- logit_bias ----
+
+def test_logit_bias_adds_to_each_rows_own_ids_in_a_mixed_batch():
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(4, 12, generator=gen, dtype=torch.float64)
+    biases = [{3: 2.5, 7: -1.0}, None, {0: 100.0}, {int(logits[3].argmax()): -100.0, 5: 0.25}]
+    requests = [make_request(SamplingParams(temperature=0.0, logit_bias=bias)) for bias in biases]
+    expected = logits.clone()
+    for row, bias in enumerate(biases):
+        for token, value in (bias or {}).items():
+            expected[row, token] += value
+    out = BatchSampler(12, CPU, 0)(logits.clone(), requests)
+    assert out.token_ids == expected.argmax(dim=-1).tolist()
+    assert out.token_ids[2] == 0 and out.token_ids[3] != int(logits[3].argmax())
+    alone = BatchSampler(12, CPU, 0)(logits[1:2].clone(), [make_request(SamplingParams(temperature=0.0))])
+    assert out.token_ids[1] == alone.token_ids[0]
+
+
+def test_logit_bias_comes_before_penalties_and_top_k():
+    # Token 5 (logit -3, in the prompt) gets +4: 1.0, which the repetition penalty (after the bias, as vLLM orders
+    # them) halves to 0.5, still above token 1's 0.3; penalised first (-6) and then biased it would be -2.
+    logits = torch.tensor([[2.0, 0.3, 0.0, -1.0, -2.0, -3.0]], dtype=torch.float64)
+    bias = {5: 4.0, 0: -1.8}
+    greedy = SamplingParams(temperature=0.0, logit_bias=bias)
+    assert BatchSampler(6, CPU, 0)(logits.clone(), [make_request(greedy)]).token_ids == [5]
+    penalised = replace(greedy, repetition_penalty=2.0)
+    assert BatchSampler(6, CPU, 0)(logits.clone(), [make_request(penalised, prompt=[5])]).token_ids == [5]
+    # top_k 2 keeps the two largest after the bias, {5, 1}, not the unbiased top two {0, 1}.
+    tokens = draw(logits[0], SamplingParams(temperature=1.0, top_k=2, logit_bias=bias), 2000)
+    assert set(tokens.tolist()) == {1, 5}
+
+
+def test_logprobs_with_logit_bias_are_those_of_the_raw_logits():
+    logits = torch.tensor([[0.5, 1.5, -0.5]], dtype=torch.float64)
+    params = SamplingParams(temperature=0.0, logprobs=1, logit_bias={2: 10.0})
+    out = BatchSampler(3, CPU, 0)(logits.clone(), [make_request(params)])
+    raw = torch.log_softmax(logits[0], dim=-1)
+    assert out.token_ids == [2]
+    sampled, rank, top_ids, top_values = out.logprobs[0]
+    assert sampled == pytest.approx(raw[2].item(), abs=1e-12) and rank == 3 and top_ids == [1]
+
+
 # ---- logprobs ----
 
 def test_logprobs_are_those_of_the_raw_logits():

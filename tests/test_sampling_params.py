@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 
 import pytest
+import torch
 
 from conftest import build_hf_model, hf_greedy, save_hf_model
 from mini_infer import LLM, SamplingParams
@@ -59,6 +61,14 @@ INVALID = [
     ("seed", dict(seed=1.5)),
     ("seed", dict(seed="7")),
     ("output_kind", dict(output_kind="delta")),
+    ("logit_bias", dict(logit_bias={5: 100.5})),
+    ("logit_bias", dict(logit_bias={5: -101})),
+    ("logit_bias", dict(logit_bias={5: math.nan})),
+    ("logit_bias", dict(logit_bias={5: "1"})),
+    ("logit_bias", dict(logit_bias={-1: 1.0})),
+    ("logit_bias", dict(logit_bias={"5": 1.0})),
+    ("logit_bias", dict(logit_bias={True: 1.0})),
+    ("logit_bias", dict(logit_bias=[(5, 1.0)])),
 ]
 
 
@@ -102,6 +112,7 @@ def test_seed_that_no_generator_accepts_is_refused_naming_the_field(seed):
     dict(stop_token_ids=[0, 151645]), dict(stop_token_ids=[]), dict(stop=[]), dict(stop=" "),
     dict(seed=0), dict(seed=-5), dict(seed=2**63 - 1),
     dict(output_kind=RequestOutputKind.DELTA),
+    dict(logit_bias={0: -100, 151935: 100.0, 7: 0.5}),
 ])
 def test_valid_boundary_values_are_accepted(kwargs):
     params = SamplingParams(**kwargs)
@@ -158,6 +169,8 @@ def _bad_requests(vocab_size: int, max_model_len: int):
         ("token-out-of-range", [1, vocab_size], GREEDY, "out of range"),
         ("empty-prompt", [], GREEDY, "empty"),
         ("text-without-tokenizer", "hello", GREEDY, "tokenizer"),
+        ("logit-bias-out-of-vocab", prompt, SamplingParams(temperature=0.0, logit_bias={vocab_size: 1.0}),
+         "logit_bias token id 300"),
     ]
 
 
@@ -199,3 +212,19 @@ def test_llm_generate_rejects_a_bad_batch_then_keeps_serving(hf_model_dir):
     assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
     [out] = llm.generate([[4, 5, 6]], GREEDY, use_tqdm=False)
     assert out.outputs[0].token_ids == hf_greedy(model, [4, 5, 6], 6)
+
+
+def test_logit_bias_steers_its_request_alone_in_a_batch(hf_model_dir):
+    model, path = hf_model_dir
+    llm = LLM(str(path), dtype="float64", block_size=4, max_model_len=64)
+    plain = [3, 1, 4, 1, 5]
+    expected = hf_greedy(model, plain, 6)
+    banned = replace(GREEDY, logit_bias={expected[0]: -100.0})
+    forced = replace(GREEDY, logit_bias={42: 100.0})
+    outs = llm.generate([plain, plain, [9, 8, 7]], [GREEDY, banned, forced], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == expected
+    with torch.no_grad():
+        runner_up = model(torch.tensor([plain])).logits[0, -1].topk(2).indices[1].item()
+    assert outs[1].outputs[0].token_ids[0] == runner_up != expected[0]
+    assert outs[2].outputs[0].token_ids == [42] * 6
+    assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks

@@ -248,6 +248,11 @@ ERROR_CASES = {
     "n above 1": ({"prompt": "x", "n": 2}, {}, 400, "n"),
     "logprobs too many": ({"prompt": "x", "logprobs": 50}, {}, 400, "logprobs"),
     "echo": ({"prompt": "x", "echo": True}, {}, 400, "echo"),
+    "logit_bias key not an id": ({"prompt": "x", "logit_bias": {"hello": 1}}, {}, 400, "logit_bias"),
+    "logit_bias key not ascii": ({"prompt": "x", "logit_bias": {"\u0663": 1}}, {}, 400, "logit_bias"),
+    "logit_bias id out of vocab": ({"prompt": "x", "logit_bias": {"999999999": 1}}, {}, 400, "logit_bias"),
+    "logit_bias value out of range": ({"prompt": "x", "logit_bias": {"5": 101}}, {}, 400, "logit_bias"),
+    "logit_bias value not a number": ({"prompt": "x", "logit_bias": {"5": "up"}}, {}, 400, "logit_bias"),
     "token id out of vocab": ({"prompt": [1, 10**9]}, {}, 400, "prompt"),
     "over max_model_len": (TOO_LONG, {}, 400, "max_tokens"),
     "unknown model": ({"prompt": "x", "model": "gpt-17"}, {}, 404, "model"),
@@ -283,6 +288,59 @@ def test_error_cases(served, case):
 def test_chat_error_cases(served, body, param):
     _, server = served
     response = post(server, "/v1/chat/completions", body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_logit_bias_through_both_endpoints_matches_offline(served, offline):
+    _, server = served
+    tokenizer = offline.get_tokenizer()
+    forced = tokenizer.encode(" river", add_special_tokens=False)[0]
+    body = {"prompt": "The capital of France", "max_tokens": 4, "temperature": 0, "logit_bias": {str(forced): 100}}
+    response = post(server, "/v1/completions", body)
+    assert response.status_code == 200, response.text
+    expected = replace(offline.get_default_sampling_params(), temperature=0.0, max_tokens=4,
+                       logit_bias={forced: 100.0})
+    offline_out = offline.generate(["The capital of France"], expected, use_tqdm=False)[0].outputs[0]
+    assert offline_out.token_ids == [forced] * 4
+    assert response.json()["choices"][0]["text"] == offline_out.text
+    chat = client(served[1]).chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0,
+        logit_bias={str(forced): 100})
+    assert chat.choices[0].message.content == tokenizer.decode([forced] * 3)
+
+
+def test_tokenize_and_detokenize(served, offline):
+    _, server = served
+    tokenizer = offline.get_tokenizer()
+    text = "Hello, world! The capital of France"
+    response = post(server, "/tokenize", {"prompt": text, "return_token_strs": True})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["tokens"] == tokenizer.encode(text, add_special_tokens=True)
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 4096
+    assert body["token_strs"] == tokenizer.convert_ids_to_tokens(body["tokens"])
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    chat = post(server, "/tokenize", {"messages": messages}).json()
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat["tokens"] == tokenizer.encode(rendered, add_special_tokens=False) and chat["token_strs"] is None
+    detok = post(server, "/detokenize", {"tokens": body["tokens"]})
+    assert detok.status_code == 200 and detok.json() == {"prompt": text}
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "prompt"),
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ("/detokenize", {"tokens": [1, -1]}, "tokens"),
+    ("/detokenize", {"tokens": [10**12]}, "tokens"),
+    ("/detokenize", {"tokens": ["a"]}, "tokens"),
+    ("/detokenize", {}, "tokens"),
+])
+def test_tokenizer_endpoints_refuse_bad_bodies_naming_the_field(served, path, body, param):
+    _, server = served
+    response = post(server, path, body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
 

@@ -52,6 +52,11 @@ class InputProcessor:
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}", "params")
         if params.stop_strings and self.tokenizer is None:
             raise InvalidRequestError("SamplingParams.stop needs a tokenizer; this model directory has none", "stop")
+        vocab = self.config.model_config.vocab_size
+        outside = [t for t in params.logit_bias or () if t >= vocab]
+        if outside:
+            raise InvalidRequestError(f"logit_bias token id {outside[0]} is out of range: token ids must be in "
+                                      f"[0, {vocab - 1}]", "logit_bias")
         text, token_ids = self._tokenize(prompt)
         return text, token_ids, params, self._check_lengths(len(token_ids), params)
 

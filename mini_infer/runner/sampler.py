@@ -4,14 +4,16 @@ Each slot of the persistent batch keeps its request's sampling parameters as ten
 requests, the tokens it has seen and its output-token counts (runner/penalties.py), updated as tokens arrive; a
 step gathers the rows of the requests it samples, so its host work is O(batch) whatever the context length.
 
-Order (as in vLLM): min_tokens mask, penalties, greedy argmax; then temperature, min_p, top_k, top_p and a
+Order (as in vLLM): logit_bias, min_tokens mask, penalties, greedy argmax; then temperature, min_p, top_k, top_p and a
 draw by inverse CDF from one uniform per row; requests with a seed draw it from their own generator, so their
 samples do not depend on the batch. top_k and top_p work on each row's likeliest tokens (torch.topk), not a sort of
-the whole vocabulary, unless the nucleus reaches past them.
+the whole vocabulary, unless the nucleus reaches past them. logit_bias is added in one scatter over the batch's
+biased entries.
 Where the runner gives it a top-k (its native kernel) and every row is greedy or has a top_k of at most CANDIDATES
 (the model's generation_config defaults have top_k 20), a step reads the logits once: penalties and min_tokens masks
 become sparse edits that the top-k reads in place of the logits at those ids, and temperature, min_p, top_p and the
-draw work on the k candidates only (no float32 copy, temperature pass or sort of the vocabulary-wide rows).
+draw work on the k candidates only (no float32 copy, temperature pass or sort of the vocabulary-wide rows); a batch
+with a logit_bias takes the full path.
 Logprobs are those of the raw model logits.
 """
 
@@ -62,6 +64,7 @@ class Sampler:
         self._top_k = torch.zeros(0, dtype=torch.int64, device=device)
         self._params: list[SamplingParams | None] = []
         self._stop_ids: list[tuple[int, ...]] = []  # masked while the slot has fewer than min_tokens outputs
+        self._bias: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # a slot's logit_bias: (ids, values)
         self._num_outputs: list[int] = []
         self._slot_generators: list[torch.Generator | None] = []
         self._generators: dict[str, torch.Generator] = {}  # seeded requests, kept while preempted
@@ -77,6 +80,9 @@ class Sampler:
         self._top_k[slot] = self._kept(params)
         self._params[slot] = params
         self._stop_ids[slot] = tuple(t for t in request.min_tokens_stop_ids if t < self.vocab_size)
+        bias = params.logit_bias
+        self._bias[slot] = (torch.tensor(list(bias), dtype=torch.int64, device=self.device),
+                            torch.tensor(list(bias.values()), dtype=torch.float64, device=self.device)) if bias else None
         self._num_outputs[slot] = len(request.token_ids) - request.num_prompt_tokens
         generator = None
         if params.seed is not None:
@@ -101,6 +107,7 @@ class Sampler:
         if slot is not None:
             self._params[slot] = None
             self._slot_generators[slot] = None
+            self._bias[slot] = None
         if finished:
             self._generators.pop(request_id, None)
 
@@ -122,6 +129,7 @@ class Sampler:
         self._top_k = _extend(self._top_k, extra, torch.int64, self.device)
         self._params += [None] * extra
         self._stop_ids += [()] * extra
+        self._bias += [None] * extra
         self._num_outputs += [0] * extra
         self._slot_generators += [None] * extra
         if self._penalties is not None:
@@ -134,16 +142,19 @@ class Sampler:
         """Sample one token for each row of `logits`, row i belonging to the request in slots[i]."""
         params = [self._params[s] for s in slots]
         # The sampler's own copy when anything below edits it in place (the caller's logits stay as they are).
-        edits = (not all(p.greedy and not p.uses_penalties for p in params)
+        biased = any(self._bias[s] is not None for s in slots)
+        edits = (biased or not all(p.greedy and not p.uses_penalties for p in params)
                  or any(self._num_outputs[s] < self._params[s].min_tokens for s in slots))
         wants_logprobs = any(p.logprobs is not None for p in params)
         if not edits and not wants_logprobs:  # plain greedy: the argmax of the logits as they are
             return SamplerOutput(self.argmax(logits[:, : self.vocab_size]).tolist(), [None] * len(params))
-        if (self.top_k is not None and not wants_logprobs
+        if (self.top_k is not None and not wants_logprobs and not biased
                 and all(p.greedy or self._kept(p) <= CANDIDATES for p in params)):
             return SamplerOutput(self._sample_top_k(logits, slots, params).tolist(), [None] * len(params))
         work = logits[:, : self.vocab_size].to(torch.promote_types(logits.dtype, torch.float32), copy=edits)
         raw_logprobs = torch.log_softmax(work, dim=-1) if wants_logprobs else None
+        if biased:
+            self.apply_logit_bias(work, slots)
         self.mask_stop_tokens_under_min(work, slots)
         if any(p.uses_penalties for p in params):
             self.apply_penalties(work, slots)
@@ -152,6 +163,14 @@ class Sampler:
         else:
             tokens = self._sample(work, slots, params)
         return SamplerOutput(tokens.tolist(), _gather_logprobs(raw_logprobs, tokens, params))
+
+    def apply_logit_bias(self, logits: torch.Tensor, slots: list[int]) -> torch.Tensor:
+        """Each row's logit_bias added to its logits, in place, in one scatter."""
+        entries = [(i, self._bias[slot]) for i, slot in enumerate(slots) if self._bias[slot] is not None]
+        rows = torch.cat([torch.full_like(ids, i) for i, (ids, _) in entries])
+        cols = torch.cat([ids for _, (ids, _) in entries])
+        values = torch.cat([values for _, (_, values) in entries]).to(logits.dtype)
+        return logits.index_put_((rows, cols), values, accumulate=True)
 
     def mask_stop_tokens_under_min(self, logits: torch.Tensor, slots: list[int]) -> torch.Tensor:
         """-inf, in place, on the stop token ids of the rows whose requests have fewer than min_tokens outputs."""

@@ -1,7 +1,7 @@
 """`mini-infer serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one AsyncLLMEngine.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (SSE streaming with `stream: true`), GET /v1/models,
-GET /health, GET /metrics (Prometheus text). Errors come back in OpenAI's shape,
+POST /tokenize and POST /detokenize (vLLM's), GET /health, GET /metrics (Prometheus text). Errors come back in OpenAI's shape,
 {"error": {"message", "type", "param", "code"}}.
 """
 
@@ -24,7 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from mini_infer.engine.arg_utils import EngineArgs
 from mini_infer.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineShutdownError
 from mini_infer.entrypoints.openai.choices import ChatChoices, Choices, CompletionChoices, usage_body
-from mini_infer.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from mini_infer.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                    TokenizeRequest)
 from mini_infer.entrypoints.openai.shutdown import Drain, DrainMiddleware
 from mini_infer.errors import InvalidRequestError
 from mini_infer.outputs import RequestOutput
@@ -92,13 +93,16 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, *, api_key: str | 
                                             "owned_by": "mini-infer", "root": str(config.model),
                                             "max_model_len": config.max_model_len}]}
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await server.handle(request, CompletionRequest, server.completion)
+    def endpoint(body: type[BaseModel], run: Callable):
+        async def handle(request: Request):
+            return await server.handle(request, body, run)
+        return handle
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await server.handle(request, ChatCompletionRequest, server.chat_completion)
+    for path, body, run in (("/v1/completions", CompletionRequest, server.completion),
+                            ("/v1/chat/completions", ChatCompletionRequest, server.chat_completion),
+                            ("/tokenize", TokenizeRequest, server.tokenize),
+                            ("/detokenize", DetokenizeRequest, server.detokenize)):
+        app.post(path)(endpoint(body, run))
 
     app.state.drain = Drain()  # what shutdown.serve waits on, and tells to refuse new requests
     app.add_middleware(DrainMiddleware, drain=app.state.drain,
@@ -166,17 +170,46 @@ class _Server:
         return await self._generate(request, req, req.prompt, params, CompletionChoices())
 
     async def chat_completion(self, request: Request, req: ChatCompletionRequest):
+        prompt = self._render_chat(req.messages, req.add_generation_prompt)
+        params = self._sampling_params(req, req.requested_max_tokens, req.requested_logprobs)
+        return await self._generate(request, req, prompt, params, ChatChoices(req.top_logprobs or 0))
+
+    def _render_chat(self, messages, add_generation_prompt: bool) -> str:
+        """The messages as the model's chat template renders them (a 400 naming messages where it cannot)."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
-        messages = [m.for_template() for m in req.messages]
+        rendered = [m.for_template() for m in messages]
         try:
-            prompt = tokenizer.apply_chat_template(messages, tokenize=False,
-                                                   add_generation_prompt=req.add_generation_prompt)
+            return tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=add_generation_prompt)
         except Exception as e:  # noqa: BLE001 - the template's own error, reported to the caller
             raise APIError(400, f"the chat template could not render these messages: {e}", "messages") from None
-        params = self._sampling_params(req, req.requested_max_tokens, req.requested_logprobs)
-        return await self._generate(request, req, prompt, params, ChatChoices(req.top_logprobs or 0))
+
+    # ---- vLLM's tokenizer endpoints ----
+
+    def _tokenizer(self, field: str):
+        if self.engine.tokenizer is None:
+            raise APIError(400, "this model directory has no tokenizer.json", field)
+        return self.engine.tokenizer
+
+    async def tokenize(self, _request: Request, req: TokenizeRequest):
+        tokenizer = self._tokenizer("prompt" if req.prompt is not None else "messages")
+        if req.prompt is not None:
+            text, special = req.prompt, req.add_special_tokens is not False
+        else:
+            text, special = self._render_chat(req.messages, req.add_generation_prompt), bool(req.add_special_tokens)
+        # Off the event loop: a 4 MB text takes a while to encode.
+        tokens = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=special)
+        return {"count": len(tokens), "max_model_len": self.engine.config.max_model_len, "tokens": tokens,
+                "token_strs": tokenizer.convert_ids_to_tokens(tokens) if req.return_token_strs else None}
+
+    async def detokenize(self, _request: Request, req: DetokenizeRequest):
+        tokenizer = self._tokenizer("tokens")
+        vocab = self.engine.config.model_config.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is out of range: token ids must be in [0, {vocab - 1}]", "tokens")
+        return {"prompt": await asyncio.to_thread(tokenizer.decode, req.tokens)}
 
     async def _generate(self, request: Request, req, prompt, params, choices: Choices):
         """Run the request: an SSE response when it streams, else the whole response body."""

@@ -1,4 +1,5 @@
-"""The OpenAI API's request bodies (completions, chat completions) with vLLM's extra sampling fields.
+"""The OpenAI API's request bodies (completions, chat completions) with vLLM's extra sampling fields, and vLLM's
+/tokenize and /detokenize bodies.
 
 Fields OpenAI defines that mini-infer does not implement are refused with a 400 naming them when set to
 anything but their default; unknown fields are ignored, as OpenAI's and vLLM's servers do.
@@ -53,6 +54,8 @@ class _SamplingRequest(BaseModel):
             raise InvalidRequestError("stream_options is only allowed when stream is true", "stream_options")
         return self
 
+    logit_bias: dict[str, float] | None = None  # token id (as JSON object keys are: a string) -> bias
+
     def sampling_params(self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The request's SamplingParams: fields it sets over the model's defaults (InvalidRequestError if bad)."""
         chosen = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p",
@@ -62,7 +65,18 @@ class _SamplingRequest(BaseModel):
                        min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop=self.stop,
                        stop_token_ids=self.stop_token_ids, logprobs=logprobs,
                        include_stop_str_in_output=self.include_stop_str_in_output,
-                       skip_special_tokens=self.skip_special_tokens)
+                       skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias())
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not (key.isascii() and key.isdigit()):
+                raise InvalidRequestError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}",
+                                          "logit_bias")
+            bias[int(key)] = value
+        return bias
 
     @property
     def include_usage(self) -> bool:
@@ -76,11 +90,10 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-    logit_bias: dict[str, float] | None = None
 
     @model_validator(mode="after")
     def _unsupported(self):
-        for name, default in (("echo", False), ("suffix", None), ("logit_bias", None)):
+        for name, default in (("echo", False), ("suffix", None)):
             if getattr(self, name) != default:
                 raise InvalidRequestError(f"{name} is not supported by this server", name)
         if self.best_of not in (None, 1):
@@ -121,16 +134,14 @@ class ChatCompletionRequest(_SamplingRequest):
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none"] | None = None
-    logit_bias: dict[str, float] | None = None
 
     @model_validator(mode="after")
     def _unsupported(self):
         if self.response_format not in (None, {"type": "text"}):
             raise InvalidRequestError("response_format other than {'type': 'text'} is not supported",
                                       "response_format")
-        for name in ("tools", "logit_bias"):
-            if getattr(self, name) is not None:
-                raise InvalidRequestError(f"{name} is not supported by this server", name)
+        if self.tools is not None:
+            raise InvalidRequestError("tools is not supported by this server", "tools")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs set to true", "top_logprobs")
         return self
@@ -142,3 +153,31 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a text prompt, or chat messages rendered by the model's chat template first."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True  # messages only
+    add_special_tokens: bool | None = None  # None: True for a prompt, False for messages (the template has them)
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequestError("give exactly one of prompt and messages", "prompt")
+        if self.prompt is not None:
+            check_text(self.prompt, "prompt")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    tokens: list[int]
