@@ -20,7 +20,9 @@ DTYPES = {
 }
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
                   "float": "float32", "fp64": "float64", "double": "float64"}
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM",)
+# config.json's architectures that load, on one decoder with switches (ModelConfig.attention_bias, rope_scaling):
+# Qwen2 (Qwen2.5) with its QKV bias; Llama (3, 3.1, 3.2) without, its head tied or not, RoPE plain or "llama3".
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
 
 
 CHECKPOINT_QUANTIZATION = ("gptq", "awq")  # pre-quantised checkpoints' methods (mini_infer.model.prequantized)
@@ -100,8 +102,34 @@ class CheckpointQuantization:
 
 
 @dataclass(frozen=True, slots=True)
+class Llama3RopeScaling:
+    """RoPE frequencies of rope_type "llama3" (Llama 3.1 / 3.2): wavelengths longer than the original context over
+    low_freq_factor are slowed by `factor`, shorter than it over high_freq_factor kept, those between blended."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str) -> Llama3RopeScaling:
+        fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        missing = [name for name in fields if not isinstance(raw.get(name), (int, float)) or isinstance(
+            raw.get(name), bool)]
+        if missing:
+            raise ValueError(f"{source}: rope type 'llama3' needs numbers {', '.join(missing)}")
+        scaling = cls(float(raw["factor"]), float(raw["low_freq_factor"]), float(raw["high_freq_factor"]),
+                      int(raw["original_max_position_embeddings"]))
+        if not (scaling.factor > 0 and 0 < scaling.low_freq_factor < scaling.high_freq_factor
+                and scaling.original_max_position_embeddings > 0):
+            raise ValueError(f"{source}: rope type 'llama3' needs factor > 0, 0 < low_freq_factor < "
+                             f"high_freq_factor and original_max_position_embeddings > 0, got {raw}")
+        return scaling
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """The Qwen2 network's shape, as the checkpoint's config.json describes it."""
+    """The decoder's shape and switches, as the checkpoint's config.json describes them (SUPPORTED_ARCHITECTURES)."""
 
     hidden_size: int
     intermediate_size: int
@@ -117,6 +145,9 @@ class ModelConfig:
     torch_dtype: str | None
     eos_token_ids: tuple[int, ...] = ()
     quantization: CheckpointQuantization | None = None  # a pre-quantised (GPTQ, AWQ) checkpoint's
+    architecture: str = "Qwen2ForCausalLM"
+    attention_bias: bool = True  # q/k/v projections with a bias: Qwen2's (Llama has none)
+    rope_scaling: Llama3RopeScaling | None = None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -132,12 +163,18 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> ModelConfig:
         archs = raw.get("architectures") or []
-        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        architecture = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if architecture is None:
             raise ValueError(
                 f"{source}: architectures {archs!r} (model_type {raw.get('model_type')!r}) is not supported; "
                 f"mini-infer runs {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         _reject_unsupported_attention(raw, source)
+        if raw.get("mlp_bias"):
+            raise ValueError(f"{source}: mlp_bias true (biases on the MLP projections) is not supported")
+        if architecture == "LlamaForCausalLM" and raw.get("attention_bias"):
+            raise ValueError(f"{source}: attention_bias true (Llama's biases on q/k/v and o_proj) is not supported")
+        attention_bias = architecture == "Qwen2ForCausalLM"
         quantized = raw.get("quantization_config")
         quantization = CheckpointQuantization.from_dict(quantized, source) if quantized else None
 
@@ -165,22 +202,40 @@ class ModelConfig:
             vocab_size=int(need("vocab_size")),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=_rope_theta(raw, source),
+            rope_scaling=_rope_scaling(raw, source),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             max_position_embeddings=int(need("max_position_embeddings")),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             eos_token_ids=eos_ids,
             quantization=quantization,
+            architecture=architecture,
+            attention_bias=attention_bias,
         )
+
+
+_ROPE_TYPES = ("default", "llama3")
+
+
+def _rope_scaling(raw: dict, source: str) -> Llama3RopeScaling | None:
+    """The RoPE scaling from either layout: rope_scaling beside a top-level rope_theta (published checkpoints) or
+    rope_parameters (transformers 5); None for plain RoPE, an error for a type other than llama3."""
+    found = None
+    for where in (raw.get("rope_parameters") or {}, raw.get("rope_scaling") or {}):
+        rope_type = where.get("rope_type", where.get("type", "default"))
+        if rope_type not in _ROPE_TYPES:
+            raise ValueError(f"{source}: rope type {rope_type!r} is not supported (only "
+                             f"{' and '.join(_ROPE_TYPES)})")
+        if rope_type == "llama3":
+            scaling = Llama3RopeScaling.from_dict(where, source)
+            if found is not None and found != scaling:
+                raise ValueError(f"{source}: rope_scaling and rope_parameters disagree")
+            found = scaling
+    return found
 
 
 def _rope_theta(raw: dict, source: str) -> float:
     """rope_theta from either layout: top-level (published Qwen2.5) or rope_parameters (transformers 5)."""
     params = raw.get("rope_parameters") or {}
-    scaling = raw.get("rope_scaling") or {}
-    for where in (params, scaling):
-        rope_type = where.get("rope_type", where.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"{source}: rope type {rope_type!r} is not supported (only default RoPE)")
     top, nested = raw.get("rope_theta"), params.get("rope_theta")
     if top is not None and nested is not None and float(top) != float(nested):
         raise ValueError(f"{source}: rope_theta={top} disagrees with rope_parameters.rope_theta={nested}")

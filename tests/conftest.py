@@ -26,20 +26,25 @@ PARITY_CONFIGS = {
 }
 
 
-def build_hf_model(seed: int = 0, vocab_size: int = 1000, **overrides):
-    """A transformers Qwen2ForCausalLM (float64) with every tensor randomised: HF's init leaves biases at 0 and
-    norm weights at 1, which would hide loading bugs there."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def build_hf_model(seed: int = 0, vocab_size: int = 1000, *, architecture: str = "qwen2", rope_scaling=None,
+                   **overrides):
+    """A transformers Qwen2ForCausalLM (or LlamaForCausalLM, `architecture="llama"`; `rope_scaling`: its llama3
+    parameters) in float64 with every tensor randomised: HF's init leaves biases at 0 and norm weights at 1, which
+    would hide loading bugs there."""
+    import transformers
 
     settings = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                     rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0)
     settings.update(overrides)
-    rope_theta = settings.pop("rope_theta")
-    config = Qwen2Config(**settings, rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
-                         attn_implementation="sdpa")
+    rope = {"rope_type": "default", "rope_theta": settings.pop("rope_theta")}
+    if rope_scaling is not None:
+        rope.update(rope_type="llama3", **rope_scaling)
+    family = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM")}
+    config_class, model_class = (getattr(transformers, name) for name in family[architecture])
+    config = config_class(**settings, rope_parameters=rope, attn_implementation="sdpa")
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(torch.float64).eval()
+    model = model_class(config).to(torch.float64).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():

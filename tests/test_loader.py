@@ -62,7 +62,8 @@ def test_conflicting_rope_theta_is_an_error(copy_of):
 
 
 @pytest.mark.parametrize("changes,message", [
-    (dict(architectures=["LlamaForCausalLM"], model_type="llama"), r"LlamaForCausalLM.*not supported"),
+    (dict(architectures=["MistralForCausalLM"], model_type="mistral"),
+     r"MistralForCausalLM.*not supported; mini-infer runs Qwen2ForCausalLM, LlamaForCausalLM"),
     (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}), r"rope type 'yarn'"),
     (dict(use_sliding_window=True), r"sliding-window"),
     (dict(hidden_size=None), r"'hidden_size' is missing"),

@@ -1,4 +1,4 @@
-"""Random-weight Qwen2.5-architecture checkpoints in Hugging Face format.
+"""Random-weight checkpoints in Hugging Face format: Qwen2.5 shapes, and a tiny Llama 3.2-style one.
 
 Owns the model presets, both config.json layouts, the weight generator and the default model dir.
 """
@@ -64,6 +64,36 @@ PRESETS: dict[str, dict] = {
     },
 }
 
+# Llama 3.2's config (1B/3B: tied head, rope_theta 5e5, llama3 RoPE scaling of 32 from 8,192 positions) at the tiny
+# preset's size, with Qwen2.5's vocabulary and special token ids so that the Qwen tokenizer serves it.
+PRESETS["llama3-tiny"] = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "head_dim": 16,
+    "hidden_act": "silu",
+    "hidden_size": 64,
+    "initializer_range": 0.02,
+    "intermediate_size": 128,
+    "max_position_embeddings": 4096,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "num_key_value_heads": 2,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-5,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 151936,
+}
+
 LAYOUTS = ("published", "transformers5")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -96,10 +126,11 @@ def _transformers5_layout(config: dict) -> dict:
         rope_type = scaling.get("rope_type", scaling.get("type"))
         converted["rope_parameters"] = {**scaling, "rope_type": rope_type, "rope_theta": config["rope_theta"]}
     converted["dtype"] = converted.pop("torch_dtype")
-    converted["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
-    # transformers 5 drops the window size when sliding-window attention is off.
-    if not config.get("use_sliding_window", False):
-        converted["sliding_window"] = None
+    if config["model_type"] == "qwen2":
+        converted["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
+        # transformers 5 drops the window size when sliding-window attention is off.
+        if not config.get("use_sliding_window", False):
+            converted["sliding_window"] = None
     return converted
 
 
@@ -116,22 +147,24 @@ def write_config(out_dir: str | os.PathLike, config: dict, layout: str = "publis
 
 
 def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """HF tensor names and shapes of a Qwen2 causal LM with this (published-layout) config."""
+    """HF tensor names and shapes of a Qwen2 or Llama causal LM with this (published-layout) config (q/k/v
+    biases: Qwen2's)."""
     hidden = config["hidden_size"]
     head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
     q_size = config["num_attention_heads"] * head_dim
     kv_size = config["num_key_value_heads"] * head_dim
     intermediate = config["intermediate_size"]
+    biased = config["model_type"] == "qwen2"
     shapes = {"model.embed_tokens.weight": (config["vocab_size"], hidden)}
     for i in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{i}"
+        if biased:
+            shapes |= {f"{prefix}.self_attn.{name}_proj.bias": (size,)
+                       for name, size in (("q", q_size), ("k", kv_size), ("v", kv_size))}
         shapes |= {
             f"{prefix}.self_attn.q_proj.weight": (q_size, hidden),
-            f"{prefix}.self_attn.q_proj.bias": (q_size,),
             f"{prefix}.self_attn.k_proj.weight": (kv_size, hidden),
-            f"{prefix}.self_attn.k_proj.bias": (kv_size,),
             f"{prefix}.self_attn.v_proj.weight": (kv_size, hidden),
-            f"{prefix}.self_attn.v_proj.bias": (kv_size,),
             f"{prefix}.self_attn.o_proj.weight": (hidden, q_size),
             f"{prefix}.mlp.gate_proj.weight": (intermediate, hidden),
             f"{prefix}.mlp.up_proj.weight": (intermediate, hidden),

@@ -1,15 +1,19 @@
-"""The Qwen2 building blocks without attention: RMSNorm, rotary embedding, the SwiGLU MLP.
+"""The decoder's building blocks without attention: RMSNorm, rotary embedding (plain or Llama 3.1's scaled
+frequencies), the SwiGLU MLP.
 
 Parameters are allocated uninitialised (the loader fills every one of them) in the engine's dtype.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from mini_infer.config import Llama3RopeScaling
 
 
 def empty_parameter(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -36,9 +40,12 @@ class RotaryEmbedding(nn.Module):
     The table is computed in float32 and cast to the model dtype, as the reference implementation does.
     """
 
-    def __init__(self, head_dim: int, rope_theta: float, max_positions: int, *, dtype: torch.dtype, device) -> None:
+    def __init__(self, head_dim: int, rope_theta: float, max_positions: int, *, dtype: torch.dtype, device,
+                 scaling: Llama3RopeScaling | None = None) -> None:
         super().__init__()
         inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        if scaling is not None:
+            inv_freq = _llama3_frequencies(inv_freq, scaling)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", angles.cos().to(dtype=dtype, device=device), persistent=False)
@@ -49,6 +56,19 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, scaling: Llama3RopeScaling) -> torch.Tensor:
+    """Llama 3.1's RoPE frequencies: a wavelength beyond original_max_position_embeddings / low_freq_factor is
+    stretched by `factor`, one below original / high_freq_factor kept; between the two the frequency moves from the
+    stretched to the kept one linearly in original / wavelength (float32, as the reference computes them)."""
+    original = scaling.original_max_position_embeddings
+    wavelength = 2 * math.pi / inv_freq
+    blend = ((original / wavelength - scaling.low_freq_factor)
+             / (scaling.high_freq_factor - scaling.low_freq_factor)).clamp(0.0, 1.0)
+    blended = (1 - blend) * inv_freq / scaling.factor + blend * inv_freq
+    return torch.where(wavelength > original / scaling.low_freq_factor, inv_freq / scaling.factor,
+                       torch.where(wavelength < original / scaling.high_freq_factor, inv_freq, blended))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Load a local HF-format Qwen2 checkpoint (safetensors only) into our network, or into one rank's shard of it.
+"""Load a local HF-format Qwen2 or Llama checkpoint (safetensors only) into our network, or into one rank's shard of it.
 
 HF's separate q/k/v and gate/up tensors are copied into slices of our fused parameters; a tensor- or pipeline-
 parallel rank reads only its own slice of each tensor it holds (safetensors slices, so the rest is never loaded)
@@ -83,7 +83,7 @@ def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                 continue
             packed = prequantized.packed_shapes(config.quantization, out_features, in_features)
             shapes.update({f"{name}.{suffix}": shape for suffix, (shape, _) in packed.items()})
-        for name in ("q", "k", "v"):
+        for name in ("q", "k", "v") if config.attention_bias else ():
             shapes[f"{p}self_attn.{name}_proj.bias"] = (projections[f"{p}self_attn.{name}_proj"][0],)
         shapes[f"{p}input_layernorm.weight"] = shapes[f"{p}post_attention_layernorm.weight"] = (hidden,)
     return shapes
@@ -132,7 +132,8 @@ def _targets(model: Qwen2ForCausalLM, config: ModelConfig, shard: Shard) -> dict
         p = f"model.layers.{i}."
         attn, mlp_module = layer.self_attn, layer.mlp
         for name, start, rows in (("q", 0, heads), ("k", q_local, kv_heads), ("v", q_local + kv_local, kv_heads)):
-            targets[f"{p}self_attn.{name}_proj.bias"] = [_Target(attn.qkv_bias, start, rows)]
+            if config.attention_bias:
+                targets[f"{p}self_attn.{name}_proj.bias"] = [_Target(attn.qkv_bias, start, rows)]
             if config.quantization is None:
                 targets[f"{p}self_attn.{name}_proj.weight"] = [_Target(attn.qkv_proj, start, rows)]
         if config.quantization is None:
@@ -161,6 +162,9 @@ def load_weights(model: Qwen2ForCausalLM, config: ModelConfig, model_dir: Path) 
                                                                            in_features).items()}
     packed: dict[str, dict[str, torch.Tensor]] = {}  # projection -> suffix -> tensor, unpacked once all are read
     _zero_vocab_padding(model, shard)
+    if not config.attention_bias:  # no bias in the checkpoint: the fused QKV's is zero
+        for layer in model.layers:
+            layer.self_attn.qkv_bias.data.zero_()
     loaded: set[str] = set()
     for file in checkpoint_files(model_dir):
         with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -168,7 +172,8 @@ def load_weights(model: Qwen2ForCausalLM, config: ModelConfig, model_dir: Path) 
                 if name not in shapes:
                     if _ignorable(name, config):
                         continue
-                    raise ValueError(f"{file}: unexpected tensor {name!r} for a Qwen2 model of this config")
+                    raise ValueError(f"{file}: unexpected tensor {name!r} for a {config.architecture} model of this "
+                                     "config")
                 if name in loaded:
                     raise ValueError(f"{file}: tensor {name!r} appears in more than one shard")
                 tensor = f.get_slice(name)

@@ -1,5 +1,7 @@
-"""The Qwen2 decoder-only network (Qwen2.5 family): fused QKV with bias, GQA over the paged KV cache,
-SwiGLU MLP with fused gate/up, RMSNorm, tied or untied LM head.
+"""The decoder-only network of Qwen2 (Qwen2.5) and Llama (3, 3.1, 3.2): fused QKV (with a bias where the config has
+one: Qwen2's; Llama's are zero), GQA over the paged KV cache, SwiGLU MLP with fused gate/up, RMSNorm, RoPE (plain or
+Llama 3.1's scaled frequencies), tied or untied LM head. One class serves both (config.SUPPORTED_ARCHITECTURES): they
+differ only in those switches.
 
 Built for one Shard (mini_infer.distributed.shard): a single process holds the whole network; a tensor-parallel
 rank holds column slices of QKV and gate/up, row slices of o_proj and down_proj (their partial sums meet in
@@ -78,7 +80,8 @@ class Qwen2ForCausalLM(nn.Module):
         self.embed_tokens = empty_parameter(*vocab_rows, **factory) if shard.first_stage else None
         self.layers = nn.ModuleList(Qwen2DecoderLayer(config, shard, comm, ops, **factory)
                                     for _ in range(shard.num_layers))
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, max_positions, **factory)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, max_positions, **factory,
+                                      scaling=config.rope_scaling)
         self.norm = self.lm_head = None
         if shard.last_stage:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
