@@ -20,9 +20,10 @@ DTYPES = {
 }
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
                   "float": "float32", "fp64": "float64", "double": "float64"}
-# config.json's architectures that load, on one decoder with switches (ModelConfig.attention_bias, rope_scaling):
-# Qwen2 (Qwen2.5) with its QKV bias; Llama (3, 3.1, 3.2) without, its head tied or not, RoPE plain or "llama3".
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+# config.json's architectures that load, on one decoder with switches (ModelConfig.attention_bias, qk_norm,
+# rope_scaling): Qwen2 (Qwen2.5) with its QKV bias; Qwen3 (dense) without, with an RMSNorm on each head of q and k;
+# Llama (3, 3.1, 3.2) without either, its head tied or not, RoPE plain or "llama3".
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
 
 
 CHECKPOINT_QUANTIZATION = ("gptq", "awq")  # pre-quantised checkpoints' methods (mini_infer.model.prequantized)
@@ -146,7 +147,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     quantization: CheckpointQuantization | None = None  # a pre-quantised (GPTQ, AWQ) checkpoint's
     architecture: str = "Qwen2ForCausalLM"
-    attention_bias: bool = True  # q/k/v projections with a bias: Qwen2's (Llama has none)
+    attention_bias: bool = True  # q/k/v projections with a bias: Qwen2's (Qwen3 and Llama have none)
+    qk_norm: bool = False  # an RMSNorm over each head of q and of k before RoPE (Qwen3)
     rope_scaling: Llama3RopeScaling | None = None
 
     @classmethod
@@ -172,8 +174,9 @@ class ModelConfig:
         _reject_unsupported_attention(raw, source)
         if raw.get("mlp_bias"):
             raise ValueError(f"{source}: mlp_bias true (biases on the MLP projections) is not supported")
-        if architecture == "LlamaForCausalLM" and raw.get("attention_bias"):
-            raise ValueError(f"{source}: attention_bias true (Llama's biases on q/k/v and o_proj) is not supported")
+        if architecture != "Qwen2ForCausalLM" and raw.get("attention_bias"):
+            raise ValueError(f"{source}: attention_bias true ({architecture}'s biases on q/k/v and o_proj) is not "
+                             "supported")
         attention_bias = architecture == "Qwen2ForCausalLM"
         quantized = raw.get("quantization_config")
         quantization = CheckpointQuantization.from_dict(quantized, source) if quantized else None
@@ -210,6 +213,7 @@ class ModelConfig:
             quantization=quantization,
             architecture=architecture,
             attention_bias=attention_bias,
+            qk_norm=architecture == "Qwen3ForCausalLM",
         )
 
 

@@ -28,8 +28,8 @@ PARITY_CONFIGS = {
 
 def build_hf_model(seed: int = 0, vocab_size: int = 1000, *, architecture: str = "qwen2", rope_scaling=None,
                    **overrides):
-    """A transformers Qwen2ForCausalLM (or LlamaForCausalLM, `architecture="llama"`; `rope_scaling`: its llama3
-    parameters) in float64 with every tensor randomised: HF's init leaves biases at 0 and norm weights at 1, which
+    """A transformers Qwen2ForCausalLM (or Qwen3ForCausalLM / LlamaForCausalLM, `architecture="qwen3"` / `"llama"`;
+    `rope_scaling`: llama3 parameters) in float64 with every tensor randomised: HF's init leaves biases at 0 and norm weights at 1, which
     would hide loading bugs there."""
     import transformers
 
@@ -40,7 +40,8 @@ def build_hf_model(seed: int = 0, vocab_size: int = 1000, *, architecture: str =
     rope = {"rope_type": "default", "rope_theta": settings.pop("rope_theta")}
     if rope_scaling is not None:
         rope.update(rope_type="llama3", **rope_scaling)
-    family = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM")}
+    family = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+              "llama": ("LlamaConfig", "LlamaForCausalLM")}
     config_class, model_class = (getattr(transformers, name) for name in family[architecture])
     config = config_class(**settings, rope_parameters=rope, attn_implementation="sdpa")
     torch.manual_seed(seed)

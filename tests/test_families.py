@@ -1,6 +1,7 @@
-"""Llama (3, 3.1, 3.2) checkpoints on the same decoder as Qwen2: float64 parity with HF's LlamaForCausalLM (plain
-and llama3-scaled RoPE, tied and untied heads, odd head counts, one KV head) in mixed batches under preemption,
-prefix caching and chunked prefill; both config.json layouts; what is refused."""
+"""Qwen3 (dense) and Llama (3, 3.1, 3.2) checkpoints on the same decoder as Qwen2: float64 parity with HF's
+Qwen3ForCausalLM / LlamaForCausalLM (q_norm / k_norm and a head_dim of its own; plain and llama3-scaled RoPE; tied
+and untied heads, odd head counts, one KV head) in mixed batches under preemption, prefix caching and chunked
+prefill, and under tensor and pipeline parallelism; both config.json layouts; the presets; what is refused."""
 
 from __future__ import annotations
 
@@ -19,26 +20,36 @@ from mini_infer.engine.llm_engine import LLMEngine
 # Llama 3.1's scaling with an original context of 64 positions: of head_dim 16's wavelengths at rope_theta 5e5 (6.3,
 # 32.4, 167, ...) the first is kept (< 64 / 4), the second blended, the rest stretched (> 64 / 1).
 LLAMA3_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)
-LLAMA_CONFIGS = {
-    # tied head (Llama 3.2 1B/3B), GQA, plain RoPE
-    "tied-gqa": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, rope_theta=500000.0,
-                     tie_word_embeddings=True),
-    # untied head (Llama 3.1 8B), 6 heads over 3 KV heads, llama3 RoPE scaling, 3 layers
-    "llama3-untied": dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3, rope_theta=500000.0,
-                          tie_word_embeddings=False, num_hidden_layers=3, rope_scaling=LLAMA3_SCALING),
+# name -> (HF architecture, config)
+CONFIGS = {
+    # Llama 3.2 1B/3B-like: tied head, GQA, plain RoPE
+    "llama-tied-gqa": ("llama", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                     rope_theta=500000.0, tie_word_embeddings=True)),
+    # Llama 3.1 8B-like: untied head, 6 heads over 3 KV heads, llama3 RoPE scaling, 3 layers
+    "llama3-untied": ("llama", dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3,
+                                    rope_theta=500000.0, tie_word_embeddings=False, num_hidden_layers=3,
+                                    rope_scaling=LLAMA3_SCALING)),
     # a single KV head, another rope_theta, untied
-    "untied-1kv": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, rope_theta=10000.0,
-                       tie_word_embeddings=False),
+    "llama-untied-1kv": ("llama", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
+                                       rope_theta=10000.0, tie_word_embeddings=False)),
+    # Qwen3 0.6B-like: tied head, head_dim 24 (not hidden / heads = 16), q and k norms
+    "qwen3-tied": ("qwen3", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                 rope_theta=1e6, tie_word_embeddings=True)),
+    # Qwen3 untied, 6 heads over 3 KV heads of 32, 3 layers
+    "qwen3-untied": ("qwen3", dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3, head_dim=32,
+                                   rope_theta=1e6, tie_word_embeddings=False, num_hidden_layers=3)),
 }
+LLAMA_CONFIGS = {name: config for name, (family, config) in CONFIGS.items() if family == "llama"}
 PROMPT_LENGTHS = [1, 3, 17, 40, 96, 7]
 MAX_NEW_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=list(LLAMA_CONFIGS))
-def llama(request, tmp_path_factory):
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def family(request, tmp_path_factory):
     """(checkpoint dir, HF model, prompts, HF greedy continuation of each prompt alone)."""
-    model = build_hf_model(seed=len(request.param), architecture="llama", **LLAMA_CONFIGS[request.param])
+    architecture, config = CONFIGS[request.param]
+    model = build_hf_model(seed=len(request.param), architecture=architecture, **config)
     path = save_hf_model(model, tmp_path_factory.mktemp(request.param))
     rng = random.Random(request.param)
     prompts = [[rng.randrange(model.config.vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS]
@@ -51,11 +62,18 @@ def prefill_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
     return engine.runner.forward(replace(step, logits_indices=torch.arange(step.num_tokens)))
 
 
-def test_config_reads_the_switches(llama):
-    path, model, _, _ = llama
+def _rms_norm_float64(self, hidden_states):
+    """HF's RMSNorm forward, normalising in the model's float64 rather than float32."""
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def test_config_reads_the_switches(family):
+    path, model, _, _ = family
     config = ModelConfig.from_dir(path)
-    assert config.architecture == "LlamaForCausalLM"
-    assert not config.attention_bias
+    assert config.architecture == type(model).__name__
+    assert not config.attention_bias and config.qk_norm == (config.architecture == "Qwen3ForCausalLM")
+    assert config.head_dim == model.config.head_dim
     scaling = (model.config.rope_parameters or {}).get("rope_type") == "llama3"
     assert (config.rope_scaling is not None) == scaling
 
@@ -79,17 +97,11 @@ def test_llama3_frequencies_equal_transformers_own():
     assert kept == pytest.approx(1.0) and 1 / 8 < blended < 1 and torch.allclose(stretched, torch.tensor(1 / 8))
 
 
-def test_float64_logits_exact_against_full_precision_reference(llama, monkeypatch):
+def test_float64_logits_exact_against_full_precision_reference(family, monkeypatch):
     """With HF's RMSNorm computing in float64 too (it normalises in float32 even in a float64 model), our prefill
-    logits agree with LlamaForCausalLM's to float64 rounding, the scaled RoPE frequencies included."""
-    from transformers.models.llama import modeling_llama
-
-    def rms_norm_float64(self, hidden_states):
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
-
-    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", rms_norm_float64)
-    path, model, prompts, _ = llama
+    logits agree with HF's to float64 rounding, the q/k norms and the scaled RoPE frequencies included."""
+    path, model, prompts, _ = family
+    monkeypatch.setattr(type(model.model.norm), "forward", _rms_norm_float64)
     for prompt in prompts:
         ours = prefill_logits(LLMEngine.from_args(str(path), dtype="float64", device=DEVICE), prompt)
         with torch.no_grad():
@@ -98,30 +110,30 @@ def test_float64_logits_exact_against_full_precision_reference(llama, monkeypatc
 
 
 @pytest.mark.parametrize("kernels", ["off", "on"])
-def test_float32_prefill_logits_match_hf(llama, kernels):
-    path, model, prompts, _ = llama
+def test_float32_prefill_logits_match_hf(family, kernels):
+    path, model, prompts, _ = family
     engine = LLMEngine.from_args(str(path), dtype="float32", cpu_kernels=kernels, device=DEVICE)
     with torch.no_grad():
         theirs = model(torch.tensor([prompts[4]])).logits[0]
     torch.testing.assert_close(prefill_logits(engine, prompts[4]).double().cpu(), theirs, rtol=1e-3, atol=1e-3)
 
 
-def test_greedy_batch_equals_hf_alone(llama):
-    path, _, prompts, expected = llama
+def test_greedy_batch_equals_hf_alone(family):
+    path, _, prompts, expected = family
     llm = LLM(str(path), dtype="float64", block_size=4, device=DEVICE)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
     assert llm.engine.kv_cache_usage() == 0.0
 
 
-def test_greedy_with_preemption_prefix_caching_and_chunked_prefill_equals_hf(llama):
-    path, _, prompts, expected = llama
+def test_greedy_with_preemption_prefix_caching_and_chunked_prefill_equals_hf(family):
+    path, _, prompts, expected = family
     # 36 blocks of 4 tokens: the longest request alone needs 30; shared prefixes hit the cache; 16-token chunks.
     shared = prompts + [prompts[4][:50] + prompts[2][:9]]
     llm = LLM(str(path), dtype="float64", block_size=4, num_kv_blocks=36, enable_prefix_caching=True,
               enable_chunked_prefill=True, max_num_batched_tokens=16, device=DEVICE)
     outputs = llm.generate(shared + shared[:2], GREEDY, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
-    alone = hf_greedy(llama[1], shared[-1], MAX_NEW_TOKENS)
+    alone = hf_greedy(family[1], shared[-1], MAX_NEW_TOKENS)
     assert [o.outputs[0].token_ids for o in outputs] == expected + [alone] + expected[:2]
     assert llm.engine.kv_cache.num_free_blocks == 36
 
@@ -146,7 +158,7 @@ def test_both_config_layouts_load_identically(tmp_path):
 
 @pytest.mark.parametrize("edit, message", [
     (dict(architectures=["MistralForCausalLM"]),
-     r"MistralForCausalLM.*not supported; mini-infer runs Qwen2ForCausalLM, LlamaForCausalLM"),
+     r"MistralForCausalLM.*not supported; mini-infer runs Qwen2ForCausalLM, Qwen3ForCausalLM, LlamaForCausalLM"),
     (dict(mlp_bias=True), r"mlp_bias true .* not supported"),
     (dict(attention_bias=True), r"attention_bias true .* not supported"),
     (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}),
@@ -156,8 +168,9 @@ def test_both_config_layouts_load_identically(tmp_path):
     (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 5e5, "factor": 2.0}),
      r"rope type 'dynamic' is not supported \(only default and llama3\)"),
 ])
-def test_unsupported_llama_configs_are_refused_by_name(tmp_path, edit, message):
-    model = build_hf_model(seed=1, architecture="llama", num_hidden_layers=1)
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+def test_unsupported_configs_are_refused_by_name(tmp_path, edit, message, architecture):
+    model = build_hf_model(seed=1, architecture=architecture, num_hidden_layers=1)
     path = save_hf_model(model, tmp_path / "m")
     raw = json.loads((path / "config.json").read_text())
     raw.update(edit)
@@ -167,18 +180,27 @@ def test_unsupported_llama_configs_are_refused_by_name(tmp_path, edit, message):
 
 
 @pytest.mark.parametrize("layout", ["published", "transformers5"])
-def test_llama3_tiny_preset_loads_in_transformers_and_runs(tmp_path, layout):
+@pytest.mark.parametrize("preset, architecture", [("llama3-tiny", "LlamaForCausalLM"),
+                                                  ("qwen3-tiny", "Qwen3ForCausalLM")])
+def test_presets_load_in_transformers_and_run(tmp_path, layout, preset, architecture, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     from mini_infer.factory import make_model
 
-    out = make_model("llama3-tiny", tmp_path / "llama", dtype="float32", layout=layout)
+    out = make_model(preset, tmp_path / preset, dtype="float32", layout=layout)
     reference, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True, dtype=torch.float64)
-    assert type(reference).__name__ == "LlamaForCausalLM"
+    assert type(reference).__name__ == architecture
     assert not info["missing_keys"] and not info["unexpected_keys"]
-    assert reference.config.rope_parameters["rope_type"] == "llama3"
     config = ModelConfig.from_dir(out)
-    assert config.architecture == "LlamaForCausalLM" and config.rope_scaling.factor == 32.0
+    assert config.architecture == architecture
+    if preset == "llama3-tiny":
+        assert reference.config.rope_parameters["rope_type"] == "llama3" and config.rope_scaling.factor == 32.0
+    else:
+        assert config.qk_norm and config.head_dim == 32 != config.hidden_size // config.num_attention_heads
+    # The presets' small random weights leave near-ties that HF's float32 normalisation would flip; HF's generate
+    # would also apply the preset's generation_config.json repetition_penalty (1.1), which GREEDY does not set.
+    monkeypatch.setattr(type(reference.model.norm), "forward", _rms_norm_float64)
+    reference.generation_config.repetition_penalty = 1.0
     llm = LLM(str(out), dtype="float64")
     [output] = llm.generate(["The capital of France"], GREEDY, use_tqdm=False)
     prompt = output.prompt_token_ids
@@ -186,9 +208,10 @@ def test_llama3_tiny_preset_loads_in_transformers_and_runs(tmp_path, layout):
 
 
 @pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)])
-def test_tensor_and_pipeline_parallel_llama_equals_hf(tmp_path, layout):
-    """The zero QKV bias splits across tensor ranks, the tied head sits on the last stage."""
-    model = build_hf_model(seed=9, architecture="llama", **LLAMA_CONFIGS["tied-gqa"])
+def test_tensor_and_pipeline_parallel_equal_hf(tmp_path, layout):
+    """Qwen3 (no QKV bias: the zero one splits; q/k norms whole on every tensor rank), tied head on the last
+    stage."""
+    model = build_hf_model(seed=9, architecture="qwen3", **CONFIGS["qwen3-tied"][1])
     path = save_hf_model(model, tmp_path / "m")
     prompts = [[5, 9, 2, 6, 5, 3], list(range(40, 77)), [7]]
     llm = LLM(str(path), dtype="float64", block_size=4, **layout)

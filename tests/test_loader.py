@@ -63,7 +63,7 @@ def test_conflicting_rope_theta_is_an_error(copy_of):
 
 @pytest.mark.parametrize("changes,message", [
     (dict(architectures=["MistralForCausalLM"], model_type="mistral"),
-     r"MistralForCausalLM.*not supported; mini-infer runs Qwen2ForCausalLM, LlamaForCausalLM"),
+     r"MistralForCausalLM.*not supported; mini-infer runs Qwen2ForCausalLM, Qwen3ForCausalLM, LlamaForCausalLM"),
     (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}), r"rope type 'yarn'"),
     (dict(use_sliding_window=True), r"sliding-window"),
     (dict(hidden_size=None), r"'hidden_size' is missing"),

@@ -1,4 +1,4 @@
-"""Random-weight checkpoints in Hugging Face format: Qwen2.5 shapes, and a tiny Llama 3.2-style one.
+"""Random-weight checkpoints in Hugging Face format: Qwen2.5 shapes, and tiny Qwen3 and Llama 3.2-style ones.
 
 Owns the model presets, both config.json layouts, the weight generator and the default model dir.
 """
@@ -94,6 +94,17 @@ PRESETS["llama3-tiny"] = {
     "vocab_size": 151936,
 }
 
+# Qwen3's dense config (no QKV bias, q_norm / k_norm, head_dim set apart from hidden_size / heads) at the tiny
+# preset's size.
+PRESETS["qwen3-tiny"] = {
+    **{key: value for key, value in PRESETS["tiny"].items() if key not in ("sliding_window",)},
+    "architectures": ["Qwen3ForCausalLM"],
+    "attention_bias": False,
+    "head_dim": 32,
+    "model_type": "qwen3",
+    "sliding_window": None,
+}
+
 LAYOUTS = ("published", "transformers5")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -126,7 +137,7 @@ def _transformers5_layout(config: dict) -> dict:
         rope_type = scaling.get("rope_type", scaling.get("type"))
         converted["rope_parameters"] = {**scaling, "rope_type": rope_type, "rope_theta": config["rope_theta"]}
     converted["dtype"] = converted.pop("torch_dtype")
-    if config["model_type"] == "qwen2":
+    if config["model_type"] in ("qwen2", "qwen3"):
         converted["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
         # transformers 5 drops the window size when sliding-window attention is off.
         if not config.get("use_sliding_window", False):
@@ -147,8 +158,8 @@ def write_config(out_dir: str | os.PathLike, config: dict, layout: str = "publis
 
 
 def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """HF tensor names and shapes of a Qwen2 or Llama causal LM with this (published-layout) config (q/k/v
-    biases: Qwen2's)."""
+    """HF tensor names and shapes of a Qwen2, Qwen3 or Llama causal LM with this (published-layout) config (q/k/v
+    biases: Qwen2's; q_norm / k_norm: Qwen3's)."""
     hidden = config["hidden_size"]
     head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
     q_size = config["num_attention_heads"] * head_dim
@@ -161,6 +172,8 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         if biased:
             shapes |= {f"{prefix}.self_attn.{name}_proj.bias": (size,)
                        for name, size in (("q", q_size), ("k", kv_size), ("v", kv_size))}
+        if config["model_type"] == "qwen3":
+            shapes |= {f"{prefix}.self_attn.{name}_norm.weight": (head_dim,) for name in ("q", "k")}
         shapes |= {
             f"{prefix}.self_attn.q_proj.weight": (q_size, hidden),
             f"{prefix}.self_attn.k_proj.weight": (kv_size, hidden),

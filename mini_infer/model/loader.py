@@ -1,4 +1,5 @@
-"""Load a local HF-format Qwen2 or Llama checkpoint (safetensors only) into our network, or into one rank's shard of it.
+"""Load a local HF-format Qwen2, Qwen3 or Llama checkpoint (safetensors only) into our network, or into one rank's
+shard of it.
 
 HF's separate q/k/v and gate/up tensors are copied into slices of our fused parameters; a tensor- or pipeline-
 parallel rank reads only its own slice of each tensor it holds (safetensors slices, so the rest is never loaded)
@@ -86,6 +87,8 @@ def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         for name in ("q", "k", "v") if config.attention_bias else ():
             shapes[f"{p}self_attn.{name}_proj.bias"] = (projections[f"{p}self_attn.{name}_proj"][0],)
         shapes[f"{p}input_layernorm.weight"] = shapes[f"{p}post_attention_layernorm.weight"] = (hidden,)
+        if config.qk_norm:
+            shapes[f"{p}self_attn.q_norm.weight"] = shapes[f"{p}self_attn.k_norm.weight"] = (config.head_dim,)
     return shapes
 
 
@@ -143,6 +146,9 @@ def _targets(model: Qwen2ForCausalLM, config: ModelConfig, shard: Shard) -> dict
             targets[f"{p}mlp.down_proj.weight"] = [_Target(mlp_module.down_proj, 0, cols=mlp)]
         targets[f"{p}input_layernorm.weight"] = [_Target(layer.input_layernorm.weight, 0)]
         targets[f"{p}post_attention_layernorm.weight"] = [_Target(layer.post_attention_layernorm.weight, 0)]
+        if config.qk_norm:  # over head_dim: every tensor rank holds all of it
+            targets[f"{p}self_attn.q_norm.weight"] = [_Target(attn.q_norm.weight, 0)]
+            targets[f"{p}self_attn.k_norm.weight"] = [_Target(attn.k_norm.weight, 0)]
     return targets
 
 

@@ -1,7 +1,7 @@
-"""The decoder-only network of Qwen2 (Qwen2.5) and Llama (3, 3.1, 3.2): fused QKV (with a bias where the config has
-one: Qwen2's; Llama's are zero), GQA over the paged KV cache, SwiGLU MLP with fused gate/up, RMSNorm, RoPE (plain or
-Llama 3.1's scaled frequencies), tied or untied LM head. One class serves both (config.SUPPORTED_ARCHITECTURES): they
-differ only in those switches.
+"""The decoder-only network of Qwen2 (Qwen2.5), Qwen3 (dense) and Llama (3, 3.1, 3.2): fused QKV (with a bias where
+the config has one: Qwen2's; the others' are zero), Qwen3's RMSNorm on each head of q and k, GQA over the paged KV
+cache, SwiGLU MLP with fused gate/up, RMSNorm, RoPE (plain or Llama 3.1's scaled frequencies), tied or untied LM head.
+One class serves them all (config.SUPPORTED_ARCHITECTURES): they differ only in those switches.
 
 Built for one Shard (mini_infer.distributed.shard): a single process holds the whole network; a tensor-parallel
 rank holds column slices of QKV and gate/up, row slices of o_proj and down_proj (their partial sums meet in
@@ -37,15 +37,28 @@ class Qwen2Attention(nn.Module):
         self.qkv_proj = empty_parameter(q_size + 2 * kv_size, config.hidden_size, dtype=dtype, device=device)
         self.qkv_bias = empty_parameter(q_size + 2 * kv_size, dtype=dtype, device=device)
         self.o_proj = empty_parameter(config.hidden_size, q_size, dtype=dtype, device=device)
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.ops.linear(x, self.qkv_proj, self.qkv_bias)
+        if self.q_norm is not None:
+            self._norm_heads(qkv)
         q = self.ops.rope_kv_write(qkv, positions, rotary, kv_cache, meta.slot_mapping, self.num_heads)
         with profiled("attention"):
             out = self.ops.attention(q, *kv_cache, meta)
         return self.comm.all_reduce(self.ops.linear(out.reshape(num_tokens, -1), self.o_proj))
+
+    def _norm_heads(self, qkv: torch.Tensor) -> None:
+        """Qwen3: q_norm over each query head and k_norm over each key head of qkv [T, q + 2 kv], in place."""
+        q_size, kv_size, _ = self.split_sizes
+        for norm, part in ((self.q_norm, slice(0, q_size)), (self.k_norm, slice(q_size, q_size + kv_size))):
+            heads = qkv[:, part].reshape(-1, self.head_dim)
+            qkv[:, part] = self.ops.rms_norm(norm, heads)[0].view(qkv.shape[0], -1)
 
 
 class Qwen2DecoderLayer(nn.Module):
@@ -103,7 +116,7 @@ class Qwen2ForCausalLM(nn.Module):
         and every matmul of that batch size runs natively; None where the layers run one op at a time (prefill,
         torch's matmul, tensor parallel: there the projections' partial sums meet between the kernels)."""
         if (not self.ops.native or not self.layers or self.shard.tp_size > 1 or meta.num_decodes != meta.num_reqs
-                or num_tokens != meta.num_reqs):
+                or num_tokens != meta.num_reqs or self.config.qk_norm):  # the native stack has no per-head norm
             return None
         first = self.layers[0]
         weights = (first.self_attn.qkv_proj, first.self_attn.o_proj, first.mlp.gate_up_proj, first.mlp.down_proj)
