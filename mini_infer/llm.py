@@ -79,7 +79,7 @@ class LLM:
             if output.finished and output.request_id in pending:
                 pending.discard(output.request_id)
                 finished[output.request_id] = output
-                num_output_tokens += len(output.outputs[0].token_ids)
+                num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
                 bar.set_postfix_str(f"{num_output_tokens / max(bar.format_dict['elapsed'], 1e-9):.1f} out tok/s")
                 bar.update(1)
         bar.close()

@@ -12,6 +12,7 @@ _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 # Far outside this range, float32 logits divided or multiplied by the penalty overflow or vanish.
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 1e6
+MAX_N = 128  # completions per request (OpenAI's limit for n)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 
 
@@ -60,8 +61,7 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_is_number(value), name, "must be a finite number", value)
-        if self.n != 1:
-            raise InvalidRequestError(f"n must be 1 (parallel sampling is not supported yet), got {self.n}", "n")
+        _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}]", self.n)
         _check(self.temperature >= 0, "temperature", "must be >= 0", self.temperature)
         _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
         _check(_is_int(self.top_k) and (self.top_k >= -1), "top_k",

@@ -51,8 +51,10 @@ INVALID = [
     ("logprobs", dict(logprobs=-1)),
     ("logprobs", dict(logprobs=MAX_LOGPROBS + 1)),
     ("logprobs", dict(logprobs=2.0)),
-    ("n", dict(n=2)),
+    ("n", dict(n=129)),
     ("n", dict(n=0)),
+    ("n", dict(n=2.0)),
+    ("n", dict(n=True)),
     ("stop_token_ids", dict(stop_token_ids=[3, -1])),
     ("stop_token_ids", dict(stop_token_ids=[1.0])),
     ("stop", dict(stop="")),
@@ -113,6 +115,7 @@ def test_seed_that_no_generator_accepts_is_refused_naming_the_field(seed):
     dict(seed=0), dict(seed=-5), dict(seed=2**63 - 1),
     dict(output_kind=RequestOutputKind.DELTA),
     dict(logit_bias={0: -100, 151935: 100.0, 7: 0.5}),
+    dict(n=1), dict(n=2), dict(n=128),
 ])
 def test_valid_boundary_values_are_accepted(kwargs):
     params = SamplingParams(**kwargs)

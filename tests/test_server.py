@@ -245,7 +245,7 @@ ERROR_CASES = {
     "missing prompt": ({"max_tokens": 3}, {}, 400, "prompt"),
     "top_p out of range": ({"prompt": "x", "top_p": 1.5}, {}, 400, "top_p"),
     "temperature negative": ({"prompt": "x", "temperature": -1}, {}, 400, "temperature"),
-    "n above 1": ({"prompt": "x", "n": 2}, {}, 400, "n"),
+    "n above 128": ({"prompt": "x", "n": 129}, {}, 400, "n"),
     "logprobs too many": ({"prompt": "x", "logprobs": 50}, {}, 400, "logprobs"),
     "echo": ({"prompt": "x", "echo": True}, {}, 400, "echo"),
     "logit_bias key not an id": ({"prompt": "x", "logit_bias": {"hello": 1}}, {}, 400, "logit_bias"),
@@ -308,6 +308,23 @@ def test_logit_bias_through_both_endpoints_matches_offline(served, offline):
         model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0,
         logit_bias={str(forced): 100})
     assert chat.choices[0].message.content == tokenizer.decode([forced] * 3)
+
+
+def test_openai_client_n_choices(served, offline):
+    _, server = served
+    expected = greedy_offline(offline, "The capital of France", 4).outputs[0].text
+    chat = client(server).chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                                  n=2, max_tokens=4, temperature=0)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content
+    assert chat.usage.completion_tokens == 8
+    stream = client(server).completions.create(model=MODEL_NAME, prompt="The capital of France", n=3, max_tokens=4,
+                                               temperature=0, stream=True)
+    texts: dict[int, str] = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert texts == {0: expected, 1: expected, 2: expected}
 
 
 def test_tokenize_and_detokenize(served, offline):

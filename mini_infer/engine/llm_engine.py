@@ -14,6 +14,7 @@ import torch
 from mini_infer.config import EngineConfig
 from mini_infer.distributed.comm import Comm
 from mini_infer.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
+from mini_infer.engine.group import RequestGroup, child_id, child_params
 from mini_infer.engine.input_processor import InputProcessor, PromptType
 from mini_infer.engine.kv_cache import KVCacheManager
 from mini_infer.engine.request import Request, RequestStatus
@@ -59,6 +60,8 @@ class LLMEngine:
             self.shutdown()
             raise
         self.requests: dict[str, Request] = {}
+        self.groups: dict[str, RequestGroup] = {}  # requests of n > 1, by their id (their children are in requests)
+        self._child_groups: dict[str, str] = {}  # child request id -> its group's
         self._aborted_outputs: list[RequestOutput] = []
         self._failure: WorkerDiedError | None = None
 
@@ -73,27 +76,51 @@ class LLMEngine:
     # ---- requests in ----
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
-        if request_id in self.requests:
-            raise InvalidRequestError(f"request_id {request_id!r} is already in use by an unfinished request",
-                                      "request_id")
+        """Queue a request; with params.n > 1 its n completions run as child requests (engine/group.py)."""
         text, token_ids, params, max_tokens = self.processor.process(prompt, params)
+        ids = [request_id] if params.n == 1 else [child_id(request_id, i) for i in range(params.n)]
+        for rid in {request_id, *ids}:
+            if rid in self.requests or rid in self.groups:
+                raise InvalidRequestError(f"request_id {rid!r} is already in use by an unfinished request",
+                                          "request_id")
+        requests = [self._request(rid, text, token_ids, params if params.n == 1 else child_params(params, i),
+                                  max_tokens, i, request_id if params.n > 1 else None) for i, rid in enumerate(ids)]
+        for request in requests:
+            self.requests[request.request_id] = request
+        if params.n > 1:
+            # The first child computes the prompt; the others wait for its blocks to be cached (without a prefix
+            # cache there is nothing to wait for).
+            waiting = requests[1:] if self.config.enable_prefix_caching else []
+            self.groups[request_id] = RequestGroup(request_id, params.output_kind, ids, waiting)
+            self._child_groups.update((cid, request_id) for cid in ids)
+            requests = requests[:1] if waiting else requests
+        for request in requests:
+            self.scheduler.add(request)
+
+    def _request(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams,
+                 max_tokens: int, index: int, group_id: str | None) -> Request:
         detokenizer = IncrementalDetokenizer(self.tokenizer, params) if self.tokenizer is not None else None
-        request = Request(
-            request_id=request_id, prompt=text, prompt_token_ids=token_ids, params=params, max_tokens=max_tokens,
-            eos_token_ids=frozenset() if params.ignore_eos else self.processor.eos_token_ids,
-            detokenizer=detokenizer,
-        )
-        self.requests[request_id] = request
-        self.scheduler.add(request)
+        return Request(request_id=request_id, prompt=text, prompt_token_ids=token_ids, params=params,
+                       max_tokens=max_tokens, eos_token_ids=frozenset() if params.ignore_eos
+                       else self.processor.eos_token_ids, detokenizer=detokenizer, index=index, group_id=group_id)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
-        """Abort unfinished requests (unknown or finished ids are ignored); their blocks return at once and
-        the next step() reports each with finish_reason "abort"."""
+        """Abort unfinished requests (unknown or finished ids are ignored; a request of n > 1 with all its
+        completions); their blocks return at once and the next step() reports each with finish_reason "abort"."""
         for rid in [request_id] if isinstance(request_id, str) else list(request_id):
-            request = self.requests.pop(rid, None)
-            if request is not None:
-                self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+            group = self.groups.get(rid)
+            waiting = {request.request_id for request in group.waiting} if group else set()
+            for cid in group.children if group else [rid]:
+                request = self.requests.pop(cid, None)
+                if request is None:
+                    continue
+                if cid in waiting:  # never scheduled
+                    request.status = RequestStatus.FINISHED_ABORTED
+                else:
+                    self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
                 self._aborted_outputs.append(_make_output(request))
+            if group is not None:
+                group.waiting.clear()
 
     # ---- the loop ----
 
@@ -105,17 +132,45 @@ class LLMEngine:
         with profiled("scheduler"):
             plan = self.scheduler.schedule()
         if not (plan.request_ids or plan.finished_ids or plan.preempted_ids):
-            return outputs
+            return self._grouped(outputs)
         sampled = self._execute(plan)
         with profiled("scheduler"):
             outputs.extend(self._process(plan, sampled))
-        return outputs
+            return self._grouped(outputs)
 
     def run_until_done(self) -> Iterator[RequestOutput]:
         """Step until no request is unfinished, yielding every step's outputs as they come: the one step loop of
         every caller (LLM.generate, the CLI, the benchmarks)."""
         while self.has_unfinished_requests():
             yield from self.step()
+
+    def _grouped(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """The step's outputs with each group's children merged into one output of the group (dropped where it
+        has nothing to report yet)."""
+        merged, children = [], {}
+        for output in outputs:
+            group_id = self._child_groups.get(output.request_id)
+            if group_id is None:
+                merged.append(output)
+            else:
+                children.setdefault(group_id, []).append(output)
+        for group_id, outs in children.items():
+            group = self.groups[group_id]
+            output = group.merge(outs)
+            if output is not None:
+                merged.append(output)
+            if group.done:
+                del self.groups[group_id]
+                for cid in group.children:
+                    del self._child_groups[cid]
+        return merged
+
+    def _release_waiting_children(self, group_id: str) -> None:
+        """The group's first child has computed the prompt (its blocks are cached): the others may start."""
+        group = self.groups[group_id]
+        for request in group.waiting:
+            self.scheduler.add(request)
+        group.waiting.clear()
 
     def _execute(self, plan: StepPlan) -> SamplerOutput | None:
         if self.ranks is None:
@@ -140,6 +195,8 @@ class LLMEngine:
                 continue  # a prompt chunk with more to come: nothing sampled
             token_id, logprobs = next(rows)
             request.output_token_ids.append(token_id)
+            if request.group_id is not None and request.num_output_tokens == 1 and request.index == 0:
+                self._release_waiting_children(request.group_id)
             if logprobs is not None:
                 self._record_logprobs(request, token_id, logprobs)
             check_stop(request, token_id)
@@ -212,7 +269,7 @@ def _make_output(request: Request) -> RequestOutput | None:
     request.num_emitted_chars = len(full_text)
     request.num_emitted_tokens = request.num_output_tokens
     completion = CompletionOutput(
-        index=0, text=text, token_ids=list(token_ids), cumulative_logprob=request.cumulative_logprob,
+        index=request.index, text=text, token_ids=list(token_ids), cumulative_logprob=request.cumulative_logprob,
         logprobs=list(logprobs) if logprobs is not None else None,
         finish_reason=request.status.value if request.finished else None, stop_reason=request.stop_reason,
     )

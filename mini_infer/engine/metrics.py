@@ -73,19 +73,19 @@ class EngineMetrics:
             timing = self._timings.get(output.request_id)
             if timing is None:  # not tracked here (already aborted)
                 continue
-            completion = output.outputs[0]
-            if completion.token_ids:
+            num_new = sum(len(completion.token_ids) for completion in output.outputs)  # n > 1: every completion's
+            if num_new:
                 if timing.last_token is None:
                     self.ttft.observe(now - timing.arrival)
                     self.prompt_tokens.inc(len(output.prompt_token_ids))
                 else:
                     self.itl.observe(now - timing.last_token)
                 timing.last_token = now
-                self.generation_tokens.inc(len(completion.token_ids))
+                self.generation_tokens.inc(num_new)
             if output.finished:
                 del self._timings[output.request_id]
                 self.e2e.observe(now - timing.arrival)
-                self.success[completion.finish_reason].inc()
+                self.success[output.outputs[-1].finish_reason].inc()  # n > 1: the completion that finished last
 
     def on_state(self, num_running: int, num_waiting: int, kv_cache_usage: float, num_preemptions: int,
                  prefix_queries: int, prefix_hits: int) -> None:

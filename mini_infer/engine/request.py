@@ -38,6 +38,8 @@ class Request:
     cumulative_logprob: float | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    index: int = 0  # which of its group's n completions (SamplingParams.n; engine/group.py)
+    group_id: str | None = None  # the request it was fanned out of, or None
     # What the last RequestOutput already carried (for DELTA outputs).
     num_emitted_tokens: int = 0
     num_emitted_chars: int = 0

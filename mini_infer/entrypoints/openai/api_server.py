@@ -1,8 +1,8 @@
 """`mini-infer serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one AsyncLLMEngine.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions (SSE streaming with `stream: true`), GET /v1/models,
-POST /tokenize and POST /detokenize (vLLM's), GET /health, GET /metrics (Prometheus text). Errors come back in OpenAI's shape,
-{"error": {"message", "type", "param", "code"}}.
+Endpoints: POST /v1/completions, POST /v1/chat/completions (SSE streaming with `stream: true`; `n` choices),
+GET /v1/models, POST /tokenize and POST /detokenize (vLLM's), GET /health, GET /metrics (Prometheus text). Errors
+come back in OpenAI's shape, {"error": {"message", "type", "param", "code"}}.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from mini_infer.entrypoints.openai.protocol import (ChatCompletionRequest, Compl
                                                     TokenizeRequest)
 from mini_infer.entrypoints.openai.shutdown import Drain, DrainMiddleware
 from mini_infer.errors import InvalidRequestError
-from mini_infer.outputs import RequestOutput
+from mini_infer.outputs import CompletionOutput, RequestOutput
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after"}
@@ -226,10 +226,11 @@ class _Server:
         result = await _unless_disconnected(request, _collect(outputs, first))
         if result is None:
             return Response(status_code=499)
-        text, token_ids, logprobs, finish, stop_reason, prompt_tokens = result
+        completions, prompt_tokens = result
         return {**meta, "object": choices.object,
-                "choices": [choices.choice(text, logprobs, finish, stop_reason, streaming=False)],
-                "usage": usage_body(prompt_tokens, len(token_ids))}
+                "choices": [choices.choice(i, c.text, c.logprobs, c.finish_reason, c.stop_reason, streaming=False)
+                            for i, c in sorted(completions.items())],
+                "usage": usage_body(prompt_tokens, sum(len(c.token_ids) for c in completions.values()))}
 
     def _sampling_params(self, req, max_tokens: int | None, logprobs: int | None):
         return req.sampling_params(self.engine.default_sampling_params(), max_tokens, logprobs)
@@ -248,17 +249,20 @@ async def _events(outputs, first: RequestOutput, chunk: dict, include_usage: boo
     usage chunk if asked for, then [DONE]."""
     num_tokens = 0
     usage = {"usage": None} if include_usage else {}
-    opening = choices.opening()
-    if opening is not None:
-        yield _sse({**chunk, "choices": [opening], **usage})
+    opened: set[int] = set()
     async for output in _chain(first, outputs):
-        completion = output.outputs[0]
-        num_tokens += len(completion.token_ids)
-        if not (completion.text or completion.logprobs or output.finished):
-            continue
-        choice = choices.choice(completion.text, completion.logprobs, completion.finish_reason,
-                                completion.stop_reason, streaming=True)
-        yield _sse({**chunk, "choices": [choice], **usage})
+        for completion in output.outputs:  # one chunk per choice that has something new, as vLLM streams n > 1
+            index = completion.index
+            opening = choices.opening(index) if index not in opened else None
+            opened.add(index)
+            if opening is not None:
+                yield _sse({**chunk, "choices": [opening], **usage})
+            num_tokens += len(completion.token_ids)
+            if not (completion.text or completion.logprobs or completion.finish_reason):
+                continue
+            choice = choices.choice(index, completion.text, completion.logprobs, completion.finish_reason,
+                                    completion.stop_reason, streaming=True)
+            yield _sse({**chunk, "choices": [choice], **usage})
     if include_usage:
         yield _sse({**chunk, "choices": [], "usage": usage_body(len(first.prompt_token_ids), num_tokens)})
     yield "data: [DONE]\n\n"
@@ -305,17 +309,18 @@ async def _chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> As
 
 
 async def _collect(outputs: AsyncIterator[RequestOutput], first: RequestOutput):
-    """Run a request to the end: (text, token ids, logprobs, finish reason, stop reason, prompt tokens)."""
-    text, token_ids = [], []
-    logprobs = [] if first.outputs[0].logprobs is not None else None
+    """Run a request to the end: ({index: its whole CompletionOutput}, prompt tokens), from DELTA outputs."""
+    completions: dict[int, CompletionOutput] = {}
     async for output in _chain(first, outputs):
-        completion = output.outputs[0]
-        text.append(completion.text)
-        token_ids += completion.token_ids
-        if logprobs is not None:
-            logprobs += completion.logprobs
-    return ("".join(text), token_ids, logprobs, completion.finish_reason, completion.stop_reason,
-            len(output.prompt_token_ids))
+        for delta in output.outputs:
+            whole = completions.setdefault(delta.index, CompletionOutput(
+                delta.index, "", [], logprobs=[] if delta.logprobs is not None else None))
+            whole.text += delta.text
+            whole.token_ids += delta.token_ids
+            if whole.logprobs is not None:
+                whole.logprobs += delta.logprobs
+            whole.finish_reason, whole.stop_reason = delta.finish_reason, delta.stop_reason
+    return completions, len(first.prompt_token_ids)
 
 
 async def _unless_disconnected(request: Request, work):

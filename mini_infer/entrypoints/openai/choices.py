@@ -10,11 +10,11 @@ class Choices:
     object: str
     chunk_object: str
 
-    def opening(self) -> dict | None:
+    def opening(self, index: int) -> dict | None:
         """A choice to stream before any text, or None."""
         return None
 
-    def choice(self, text: str, logprobs: list[dict] | None, finish_reason: str | None, stop_reason,
+    def choice(self, index: int, text: str, logprobs: list[dict] | None, finish_reason: str | None, stop_reason,
                streaming: bool) -> dict:
         raise NotImplementedError
 
@@ -23,14 +23,14 @@ class CompletionChoices(Choices):
     id_prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
 
     def __init__(self) -> None:
-        self.text_offset = 0  # of the next token, across a stream's chunks
+        self.text_offsets: dict[int, int] = {}  # each choice's offset of its next token, across a stream's chunks
 
-    def choice(self, text, logprobs, finish_reason, stop_reason, streaming):
+    def choice(self, index, text, logprobs, finish_reason, stop_reason, streaming):
         shaped = None
         if logprobs:
-            shaped = _completion_logprobs(logprobs, self.text_offset)
-            self.text_offset += sum(len(t) for t in shaped["tokens"])
-        return {"index": 0, "text": text, "logprobs": shaped, "finish_reason": finish_reason,
+            shaped = _completion_logprobs(logprobs, self.text_offsets.get(index, 0))
+            self.text_offsets[index] = self.text_offsets.get(index, 0) + sum(len(t) for t in shaped["tokens"])
+        return {"index": index, "text": text, "logprobs": shaped, "finish_reason": finish_reason,
                 "stop_reason": stop_reason}
 
 
@@ -40,13 +40,14 @@ class ChatChoices(Choices):
     def __init__(self, top_logprobs: int) -> None:
         self.top_logprobs = top_logprobs
 
-    def opening(self):
-        return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    def opening(self, index):
+        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}
 
-    def choice(self, text, logprobs, finish_reason, stop_reason, streaming):
+    def choice(self, index, text, logprobs, finish_reason, stop_reason, streaming):
         body = ({"delta": {"content": text} if text else {}} if streaming
                 else {"message": {"role": "assistant", "content": text}})
-        return {"index": 0, **body, "logprobs": _chat_logprobs(logprobs, self.top_logprobs) if logprobs else None,
+        return {"index": index, **body, "logprobs": _chat_logprobs(logprobs, self.top_logprobs) if logprobs else None,
                 "finish_reason": finish_reason, "stop_reason": stop_reason}
 
 

@@ -1,0 +1,57 @@
+"""Parallel sampling (SamplingParams.n > 1) the way vLLM v1 does it: a request fans out into n child requests
+that share the prompt's KV blocks through the prefix cache, and their outputs come back as one RequestOutput whose
+CompletionOutputs are indexed 0..n-1.
+
+The first child runs alone until it has computed the prompt; the others join then and find every full block of the
+prompt cached (reference-counted, as any shared prefix), so the prompt is prefilled once and each child recomputes
+at most its last partial block before sampling its own first token. Child i samples with seed + i when the request
+has a seed (vLLM's rule), so each child equals a request with that seed run alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from mini_infer.engine.request import Request
+from mini_infer.outputs import CompletionOutput, RequestOutput
+from mini_infer.sampling_params import RequestOutputKind, SamplingParams
+
+
+def child_id(parent_id: str, index: int) -> str:
+    return f"{parent_id}#{index}"
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    return replace(params, n=1, seed=params.seed + index if params.seed is not None else None)
+
+
+@dataclass(slots=True)
+class RequestGroup:
+    request_id: str
+    kind: RequestOutputKind
+    children: list[str]  # every child's id, by index
+    waiting: list[Request]  # children not yet handed to the scheduler (until the first has computed the prompt)
+    latest: dict[int, CompletionOutput] = field(default_factory=dict)  # each child's last (not DELTA)
+    finished: set[int] = field(default_factory=set)
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == len(self.children)
+
+    def merge(self, outputs: list[RequestOutput]) -> RequestOutput | None:
+        """One step's outputs of this group's children as the group's output: every child's latest completion
+        (CUMULATIVE), this step's completions (DELTA), or all of them once every child has finished (FINAL_ONLY);
+        None when there is nothing to report."""
+        for output in outputs:
+            completion = output.outputs[0]
+            if self.kind is not RequestOutputKind.DELTA:
+                self.latest[completion.index] = completion
+            if output.finished:
+                self.finished.add(completion.index)
+        if self.kind is RequestOutputKind.FINAL_ONLY and not self.done:
+            return None
+        shown = ([output.outputs[0] for output in outputs] if self.kind is RequestOutputKind.DELTA
+                 else [self.latest[i] for i in sorted(self.latest)])
+        first = outputs[0]
+        return RequestOutput(request_id=self.request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
+                             outputs=shown, finished=self.done)
