@@ -28,6 +28,16 @@ def odd_model_dir(tmp_path_factory):
     return save_hf_model(model, tmp_path_factory.mktemp("odd") / "model")
 
 
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def family_model_dir(request, tmp_path_factory):
+    """The odd shapes again as Qwen3 (q/k norms in the stack, head_dim 24 apart from hidden / heads) and Llama (a
+    zero QKV bias)."""
+    extra = dict(head_dim=24) if request.param == "qwen3" else {}
+    model = build_hf_model(seed=4, architecture=request.param, hidden_size=96, num_attention_heads=6,
+                           num_key_value_heads=2, intermediate_size=200, num_hidden_layers=3, **extra)
+    return save_hf_model(model, tmp_path_factory.mktemp(request.param) / "model")
+
+
 def _paths(dtype: torch.dtype) -> list[str]:
     return [path for path, why in cpu.matmul_paths(dtype).items() if why is None]
 
@@ -65,6 +75,16 @@ def test_stack_equals_the_layers_op_by_op_on_every_matmul_path(odd_model_dir, dt
         ref_tokens, ref_logprobs, op_steps = _run(odd_model_dir, dtype, path, monkeypatch, stacked=False)
         assert stacked_steps >= 4 and op_steps == 0, path  # the decode steps took the stack, and only then
         assert tokens == ref_tokens and logprobs == ref_logprobs, path
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_stack_equals_the_layers_op_by_op_for_qwen3_and_llama(family_model_dir, dtype, monkeypatch):
+    path = _paths(getattr(torch, dtype))[-1]  # the fastest path this CPU runs (the other paths: the test above)
+    tokens, logprobs, stacked_steps = _run(family_model_dir, dtype, path, monkeypatch, stacked=True)
+    ref_tokens, ref_logprobs, op_steps = _run(family_model_dir, dtype, path, monkeypatch, stacked=False)
+    assert stacked_steps >= 4 and op_steps == 0
+    assert tokens == ref_tokens and logprobs == ref_logprobs
 
 
 @needs_kernels

@@ -1,6 +1,6 @@
 // A decode step's decoder layers in one call: for every layer, residual add + RMSNorm, the QKV matmul with its
-// bias, RoPE with the K/V cache write, paged decode attention, o_proj, residual add + RMSNorm, gate/up, SiLU x up
-// and down_proj, each by the native kernel the per-op path calls for it (kernels/decoder.py passes their
+// bias (and Qwen3's RMSNorm over each head of q and of k), RoPE with the K/V cache write, paged decode attention,
+// o_proj, residual add + RMSNorm, gate/up, SiLU x up and down_proj, each by the native kernel the per-op path calls for it (kernels/decoder.py passes their
 // addresses). The numbers are those of the per-op path, bit for bit: the same kernels on the same inputs in the
 // same order. What goes is the Python between them, ~10 calls per layer, each with its own tensor allocations
 // and checks (6 of a 33 ms batch-1 step of the 0.5B model on a Zen 4).
@@ -48,6 +48,8 @@ struct Layer {
     const void* input_norm;
     const void* post_norm;
     const void* qkv_bias;
+    const void* q_norm;  // [head_dim] each, or null (no per-head norm)
+    const void* k_norm;
     void* k_cache;
     void* v_cache;
     Matmul qkv, o, gate_up, down;
@@ -127,6 +129,13 @@ extern "C" int decode_layers(const Model* model, const Layer* layers, int num_la
             norm(out, residual_out, l.input_norm, h.get(), residual_out, c.dtype, R, c.hidden, c.eps, c.sum_width,
                  threads);
         matmul(l.qkv, h.get(), l.qkv_bias, c.dtype, qkv.get(), R, qkv_size, c.hidden, threads);
+        if (l.q_norm != nullptr)  // each row's query heads, then its key heads, as rows of head_dim, in place
+            for (size_t r = 0; r < rows; ++r) {
+                char* row = qkv.get() + r * qkv_size * elem;
+                norm(row, nullptr, l.q_norm, row, nullptr, c.dtype, c.heads, c.head_dim, c.eps, c.sum_width, threads);
+                norm(row + q_size * elem, nullptr, l.k_norm, row + q_size * elem, nullptr, c.dtype, c.kv_heads,
+                     c.head_dim, c.eps, c.sum_width, threads);
+            }
         if (rope(qkv.get(), positions, c.cos, c.sin, q.get(), l.k_cache, l.v_cache, slot_mapping, c.dtype, R,
                  c.heads, c.kv_heads, c.head_dim, c.num_blocks * c.block_size, c.max_positions, threads))
             return 1;

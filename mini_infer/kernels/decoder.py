@@ -25,8 +25,9 @@ class _Matmul(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv_bias", _P), ("k_cache", _P), ("v_cache", _P),
-                ("qkv", _Matmul), ("o", _Matmul), ("gate_up", _Matmul), ("down", _Matmul)]
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv_bias", _P), ("q_norm", _P), ("k_norm", _P),
+                ("k_cache", _P), ("v_cache", _P), ("qkv", _Matmul), ("o", _Matmul), ("gate_up", _Matmul),
+                ("down", _Matmul)]
 
 
 class _Model(ctypes.Structure):
@@ -43,8 +44,8 @@ _QUANT_KIND = 4  # cpu_decoder.cpp's kind for gemm_quant
 
 @dataclass(frozen=True, slots=True)
 class LayerTensors:
-    """What one decoder layer's decode step reads: its norms' weights, the QKV bias, its K/V caches and each
-    projection's matmul (path and packed weight)."""
+    """What one decoder layer's decode step reads: its norms' weights, the QKV bias, its K/V caches, each
+    projection's matmul (path and packed weight) and Qwen3's per-head q and k norms (or None)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -55,6 +56,8 @@ class LayerTensors:
     o: NativeLinear
     gate_up: NativeLinear
     down: NativeLinear
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
 
 def _address(name: str) -> int:
@@ -76,6 +79,10 @@ class DecoderStack:
                   "gate_up": (2 * intermediate_size, hidden), "down": (hidden, intermediate_size)}
         for i, layer in enumerate(layers):
             vectors = {"input_norm": (hidden,), "post_norm": (hidden,), "qkv_bias": (qkv_size,)}
+            if (layer.q_norm is None) != (first.q_norm is None) or (layer.q_norm is None) != (layer.k_norm is None):
+                raise ValueError(f"decoder stack: layer {i} has q/k norms where layer 0 has {first.q_norm is not None}")
+            if layer.q_norm is not None:
+                vectors.update(q_norm=(head_dim,), k_norm=(head_dim,))
             for name, shape in vectors.items():
                 tensor = getattr(layer, name)
                 if tensor.shape != shape or tensor.dtype != dtype or not tensor.is_contiguous():
@@ -104,6 +111,7 @@ class DecoderStack:
             self.max_positions, eps, 1.0 / math.sqrt(head_dim))
         self._layers = (_Layer * len(layers))(*[
             _Layer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), layer.qkv_bias.data_ptr(),
+                   *(t.data_ptr() if t is not None else None for t in (layer.q_norm, layer.k_norm)),
                    layer.k_cache.data_ptr(), layer.v_cache.data_ptr(),
                    *[self._matmul(dtype, *getattr(layer, name)) for name in shapes])
             for layer in layers])

@@ -116,7 +116,7 @@ class Qwen2ForCausalLM(nn.Module):
         and every matmul of that batch size runs natively; None where the layers run one op at a time (prefill,
         torch's matmul, tensor parallel: there the projections' partial sums meet between the kernels)."""
         if (not self.ops.native or not self.layers or self.shard.tp_size > 1 or meta.num_decodes != meta.num_reqs
-                or num_tokens != meta.num_reqs or self.config.qk_norm):  # the native stack has no per-head norm
+                or num_tokens != meta.num_reqs):
             return None
         first = self.layers[0]
         weights = (first.self_attn.qkv_proj, first.self_attn.o_proj, first.mlp.gate_up_proj, first.mlp.down_proj)
@@ -131,7 +131,9 @@ class Qwen2ForCausalLM(nn.Module):
                               layer.self_attn.qkv_bias, *kv_cache,
                               *(self.ops.native_linear(weight, num_tokens) for weight in (
                                   layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                                  layer.mlp.down_proj)))
+                                  layer.mlp.down_proj)),
+                              *(norm.weight if norm is not None else None for norm in (
+                                  layer.self_attn.q_norm, layer.self_attn.k_norm)))
                  for layer, kv_cache in zip(self.layers, kv_caches)],
                 num_heads=self.shard.num_heads, intermediate_size=self.shard.intermediate_size,
                 eps=self.config.rms_norm_eps, cos=self.rotary.cos, sin=self.rotary.sin)
