@@ -1,9 +1,9 @@
 // A decode step's decoder layers in one call: for every layer, residual add + RMSNorm, the QKV matmul with its
 // bias (and Qwen3's RMSNorm over each head of q and of k), RoPE with the K/V cache write, paged decode attention,
-// o_proj, residual add + RMSNorm, gate/up, SiLU x up and down_proj, each by the native kernel the per-op path calls for it (kernels/decoder.py passes their
-// addresses). The numbers are those of the per-op path, bit for bit: the same kernels on the same inputs in the
-// same order. What goes is the Python between them, ~10 calls per layer, each with its own tensor allocations
-// and checks (6 of a 33 ms batch-1 step of the 0.5B model on a Zen 4).
+// o_proj, residual add + RMSNorm, gate/up, SiLU x up and down_proj, each by the native kernel the per-op path calls
+// for it (kernels/decoder.py passes their addresses). The numbers are those of the per-op path, bit for bit: the same
+// kernels on the same inputs in the same order. What goes is the Python between them, ~10 calls per layer, each with
+// its own tensor allocations and checks (6 of a 33 ms batch-1 step of the 0.5B model on a Zen 4).
 #include <stdint.h>
 #include <string.h>
 
