@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class Logprob:
-    logprob: float
-    rank: int  # 1 = the most likely token
+    logprob: float | None  # None only for an echoed prompt's first token (nothing before it to score it)
+    rank: int | None  # 1 = the most likely token
     decoded_token: str | None = None
 
 
@@ -37,3 +37,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    # SamplingParams.prompt_logprobs: per prompt token (None for the first) its logprob and the top-N at its
+    # position, once the whole prompt is computed (in the first output that carries it, for DELTA).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

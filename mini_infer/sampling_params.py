@@ -40,6 +40,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # each prompt token's logprob (the first: None) and the top-N at its position
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before penalties and sampling
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -80,8 +81,10 @@ class SamplingParams:
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens", f"must be <= max_tokens ({self.max_tokens})",
                    self.min_tokens)
-        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-               "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None", self.logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
+                   f"must be an integer in [0, {MAX_LOGPROBS}] or None", value)
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative integers", self.stop_token_ids)
         _check(all(isinstance(s, str) and s for s in self.stop_strings), "stop", "must be non-empty strings",

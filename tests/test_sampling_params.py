@@ -51,6 +51,9 @@ INVALID = [
     ("logprobs", dict(logprobs=-1)),
     ("logprobs", dict(logprobs=MAX_LOGPROBS + 1)),
     ("logprobs", dict(logprobs=2.0)),
+    ("prompt_logprobs", dict(prompt_logprobs=21)),
+    ("prompt_logprobs", dict(prompt_logprobs=-1)),
+    ("prompt_logprobs", dict(prompt_logprobs=1.0)),
     ("n", dict(n=129)),
     ("n", dict(n=0)),
     ("n", dict(n=2.0)),
@@ -115,7 +118,7 @@ def test_seed_that_no_generator_accepts_is_refused_naming_the_field(seed):
     dict(seed=0), dict(seed=-5), dict(seed=2**63 - 1),
     dict(output_kind=RequestOutputKind.DELTA),
     dict(logit_bias={0: -100, 151935: 100.0, 7: 0.5}),
-    dict(n=1), dict(n=2), dict(n=128),
+    dict(n=1), dict(n=2), dict(n=128), dict(prompt_logprobs=0), dict(prompt_logprobs=20),
 ])
 def test_valid_boundary_values_are_accepted(kwargs):
     params = SamplingParams(**kwargs)

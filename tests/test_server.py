@@ -247,7 +247,7 @@ ERROR_CASES = {
     "temperature negative": ({"prompt": "x", "temperature": -1}, {}, 400, "temperature"),
     "n above 128": ({"prompt": "x", "n": 129}, {}, 400, "n"),
     "logprobs too many": ({"prompt": "x", "logprobs": 50}, {}, 400, "logprobs"),
-    "echo": ({"prompt": "x", "echo": True}, {}, 400, "echo"),
+    "suffix": ({"prompt": "x", "suffix": "y"}, {}, 400, "suffix"),
     "logit_bias key not an id": ({"prompt": "x", "logit_bias": {"hello": 1}}, {}, 400, "logit_bias"),
     "logit_bias key not ascii": ({"prompt": "x", "logit_bias": {"\u0663": 1}}, {}, 400, "logit_bias"),
     "logit_bias id out of vocab": ({"prompt": "x", "logit_bias": {"999999999": 1}}, {}, 400, "logit_bias"),
@@ -325,6 +325,31 @@ def test_openai_client_n_choices(served, offline):
         for choice in chunk.choices:
             texts[choice.index] = texts.get(choice.index, "") + choice.text
     assert texts == {0: expected, 1: expected, 2: expected}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_prepends_the_prompt_and_its_logprobs(served, offline, stream):
+    _, server = served
+    prompt = "The capital of France"
+    expected = greedy_offline(offline, prompt, 4)
+    params = replace(offline.get_default_sampling_params(), temperature=0.0, max_tokens=4, prompt_logprobs=2)
+    reference = offline.generate([prompt], params, use_tqdm=False)[0]
+    out = client(server).completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0, echo=True,
+                                            logprobs=2, stream=stream)
+    chunks = list(out) if stream else [out]
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    values = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert text == prompt + expected.outputs[0].text
+    num_prompt = len(expected.prompt_token_ids)
+    assert len(tokens) == num_prompt + 4 and values[0] is None
+    tokenizer = offline.get_tokenizer()
+    assert "".join(tokens[:num_prompt]) == prompt == tokenizer.decode(expected.prompt_token_ids)
+    for position in range(1, num_prompt):
+        token_id = expected.prompt_token_ids[position]
+        assert values[position] == pytest.approx(reference.prompt_logprobs[position][token_id].logprob, abs=1e-9)
+    plain = post(server, "/v1/completions", {"prompt": [9707, 11], "max_tokens": 2, "temperature": 0, "echo": True})
+    assert plain.json()["choices"][0]["text"].startswith(tokenizer.decode([9707, 11]))
 
 
 def test_tokenize_and_detokenize(served, offline):

@@ -22,7 +22,9 @@ def child_id(parent_id: str, index: int) -> str:
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    return replace(params, n=1, seed=params.seed + index if params.seed is not None else None)
+    """Child `index`'s: seed + index; prompt logprobs from the first child only (the others find the prompt cached)."""
+    return replace(params, n=1, seed=params.seed + index if params.seed is not None else None,
+                   prompt_logprobs=params.prompt_logprobs if index == 0 else None)
 
 
 @dataclass(slots=True)
@@ -32,6 +34,7 @@ class RequestGroup:
     children: list[str]  # every child's id, by index
     waiting: list[Request]  # children not yet handed to the scheduler (until the first has computed the prompt)
     latest: dict[int, CompletionOutput] = field(default_factory=dict)  # each child's last (not DELTA)
+    prompt_logprobs: list | None = None  # the first child's, once it has them
     finished: set[int] = field(default_factory=set)
 
     @property
@@ -48,10 +51,14 @@ class RequestGroup:
                 self.latest[completion.index] = completion
             if output.finished:
                 self.finished.add(completion.index)
+        arrived = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
+        self.prompt_logprobs = arrived if arrived is not None else self.prompt_logprobs
         if self.kind is RequestOutputKind.FINAL_ONLY and not self.done:
             return None
         shown = ([output.outputs[0] for output in outputs] if self.kind is RequestOutputKind.DELTA
                  else [self.latest[i] for i in sorted(self.latest)])
         first = outputs[0]
+        # DELTA: in the one output that brings them; else in every output from then on.
+        prompt_logprobs = arrived if self.kind is RequestOutputKind.DELTA else self.prompt_logprobs
         return RequestOutput(request_id=self.request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
-                             outputs=shown, finished=self.done)
+                             outputs=shown, finished=self.done, prompt_logprobs=prompt_logprobs)

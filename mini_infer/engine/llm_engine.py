@@ -187,6 +187,8 @@ class LLMEngine:
         finished requests and build the step's outputs (a prompt chunk that samples nothing has none)."""
         outputs = []
         rows = iter(zip(sampled.token_ids, sampled.logprobs)) if sampled is not None else iter(())
+        for request_id, (first, scored) in (sampled.prompt_logprobs or {}).items() if sampled is not None else ():
+            self._record_prompt_logprobs(self.requests[request_id], first, scored)
         for request_id, num_new in zip(plan.request_ids, plan.num_new_tokens):
             request = self.requests[request_id]
             request.num_computed_tokens += num_new
@@ -215,6 +217,15 @@ class LLMEngine:
             entry.setdefault(tid, Logprob(value, i + 1, self._decode_token(tid)))
         request.logprobs.append(entry)
         request.cumulative_logprob += logprob
+
+    def _record_prompt_logprobs(self, request: Request, first: int, scored: list) -> None:
+        """Prompt positions first.. of a step's prompt logprobs (a recompute after preemption finds them kept)."""
+        for position, (token_id, logprob, rank, top_ids, top_values) in enumerate(scored, start=first):
+            if request.prompt_logprobs[position] is None:
+                entry = {token_id: Logprob(logprob, rank, self._decode_token(token_id))}
+                for i, (tid, value) in enumerate(zip(top_ids, top_values)):
+                    entry.setdefault(tid, Logprob(value, i + 1, self._decode_token(tid)))
+                request.prompt_logprobs[position] = entry
 
     def _decode_token(self, token_id: int) -> str | None:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
@@ -273,5 +284,10 @@ def _make_output(request: Request) -> RequestOutput | None:
         logprobs=list(logprobs) if logprobs is not None else None,
         finish_reason=request.status.value if request.finished else None, stop_reason=request.stop_reason,
     )
+    prompt_logprobs = None
+    if request.prompt_logprobs is not None and not (kind is RequestOutputKind.DELTA
+                                                    and request.prompt_logprobs_emitted):
+        prompt_logprobs, request.prompt_logprobs_emitted = list(request.prompt_logprobs), True
     return RequestOutput(request_id=request.request_id, prompt=request.prompt,
-                         prompt_token_ids=request.prompt_token_ids, outputs=[completion], finished=request.finished)
+                         prompt_token_ids=request.prompt_token_ids, outputs=[completion], finished=request.finished,
+                         prompt_logprobs=prompt_logprobs)

@@ -38,6 +38,8 @@ class Request:
     cumulative_logprob: float | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # SamplingParams.prompt_logprobs, by position
+    prompt_logprobs_emitted: bool = False
     index: int = 0  # which of its group's n completions (SamplingParams.n; engine/group.py)
     group_id: str | None = None  # the request it was fanned out of, or None
     # What the last RequestOutput already carried (for DELTA outputs).
@@ -47,6 +49,8 @@ class Request:
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
             self.logprobs, self.cumulative_logprob = [], 0.0
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -90,7 +90,8 @@ class Scheduler:
     def _admit(self, request: Request, budget: int, *, whole: bool, reserve: int) -> int:
         """Admit the first waiting request with its cached prefix and up to `budget` more tokens (all of them
         when `whole`); the tokens scheduled, 0 when it cannot be admitted now."""
-        hits = self.kv_cache.match_prefix(request.all_token_ids)
+        # A request that wants prompt logprobs computes its whole prompt (cached positions would have none), as vLLM.
+        hits = [] if request.params.prompt_logprobs is not None else self.kv_cache.match_prefix(request.all_token_ids)
         cached = len(hits) * self.kv_cache.block_size
         remaining = request.num_tokens - cached
         num_new = min(remaining, budget)

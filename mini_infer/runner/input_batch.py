@@ -8,7 +8,7 @@ positions, and slot mappings come from its block-table row.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,10 @@ class StepInputs:
     context_lens_host: list[int]
     num_decodes: int  # the leading requests with one new token each (attention runs them as one batch)
     sampling_slots: list[int]  # the slots of the requests that sample, in logits order
+    # SamplingParams.prompt_logprobs: logits_indices' rows past the sampling ones are prompt positions, each to score
+    # its next prompt token (prompt_targets); per request (id, its first scored prompt position, how many, top-N).
+    prompt_targets: torch.Tensor | None = None
+    prompt_owners: list[tuple[str, int, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -44,6 +48,8 @@ class InputBatch:
         self.num_tokens = [0] * max_num_seqs
         self.num_computed = [0] * max_num_seqs
         self.num_blocks = [0] * max_num_seqs
+        self.num_prompt = [0] * max_num_seqs
+        self.prompt_logprobs: list[int | None] = [None] * max_num_seqs
         self.slots: dict[str, int] = {}
 
     def update(self, plan: StepPlan) -> list[tuple[int, list[int]]]:
@@ -54,6 +60,7 @@ class InputBatch:
             slot = self.slots[new.request_id] = new.slot
             self.token_ids[slot, : len(new.token_ids)] = torch.tensor(new.token_ids)
             self.num_tokens[slot], self.num_computed[slot] = len(new.token_ids), new.num_computed_tokens
+            self.num_prompt[slot], self.prompt_logprobs[slot] = new.num_prompt_tokens, new.params.prompt_logprobs
             self.block_table[slot, : len(new.block_ids)] = torch.tensor(new.block_ids, dtype=torch.int64)
             self.num_blocks[slot] = len(new.block_ids)
         gained = self._append([(self.slots[rid], tokens) for rid, tokens in plan.new_token_ids.items()],
@@ -82,7 +89,8 @@ class InputBatch:
         slot_list = [self.slots[rid] for rid in plan.request_ids]
         slots = torch.tensor(slot_list)
         query_lens = torch.tensor(plan.num_new_tokens)
-        start_positions = torch.tensor([self.num_computed[s] for s in slot_list])
+        starts = [self.num_computed[s] for s in slot_list]
+        start_positions = torch.tensor(starts)
         query_start_loc = torch.zeros(len(slot_list) + 1, dtype=torch.int64)
         torch.cumsum(query_lens, 0, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
@@ -99,9 +107,21 @@ class InputBatch:
             self.num_computed[slot] += num_new
             samples.append(self.num_computed[slot] == self.num_tokens[slot])
         multi = (query_lens > 1).nonzero()
+        logits_indices = (query_start_loc[1:] - 1)[torch.tensor(samples, dtype=torch.bool)]
+        prompt_rows, prompt_targets, owners = [], [], []
+        for i, slot in enumerate(slot_list):  # requests that want prompt logprobs: the prompt positions they compute
+            end = min(starts[i] + plan.num_new_tokens[i], self.num_prompt[slot] - 1)  # position p scores p + 1
+            if self.prompt_logprobs[slot] is not None and end > starts[i]:
+                scored = torch.arange(starts[i], end)
+                prompt_rows.append(query_start_loc[i] + scored - starts[i])
+                prompt_targets.append(self.token_ids[slot, scored + 1])
+                owners.append((plan.request_ids[i], starts[i] + 1, end - starts[i], self.prompt_logprobs[slot]))
+        if owners:
+            logits_indices = torch.cat([logits_indices, *prompt_rows])
         return StepInputs(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
                           block_tables=block_tables, context_lens=context_lens,
-                          logits_indices=(query_start_loc[1:] - 1)[torch.tensor(samples, dtype=torch.bool)],
+                          logits_indices=logits_indices,
+                          prompt_targets=torch.cat(prompt_targets) if owners else None, prompt_owners=owners,
                           query_start_loc=query_start_loc.tolist(), context_lens_host=context_lens.tolist(),
                           num_decodes=int(multi[0, 0]) if len(multi) else len(slot_list),
                           sampling_slots=[s for s, sample in zip(slot_list, samples) if sample])

@@ -20,7 +20,7 @@ from mini_infer.model.ops import TunedWeight, select_ops
 from mini_infer.profiling import profiled
 from mini_infer.runner.input_batch import InputBatch, StepInputs
 from mini_infer.runner.plan import StepPlan
-from mini_infer.runner.sampler import Sampler, SamplerOutput
+from mini_infer.runner.sampler import Sampler, SamplerOutput, prompt_logprobs
 
 
 class ModelRunner:
@@ -70,10 +70,16 @@ class ModelRunner:
             return None
         with profiled("forward"):
             logits = self.forward(inputs)
-        if self.sampler is None or not inputs.sampling_slots:
+        if self.sampler is None or not (inputs.sampling_slots or inputs.prompt_owners):
             return None
+        num_sampled = len(inputs.sampling_slots)
         with profiled("sampling"):
-            return self.sampler(logits, inputs.sampling_slots)
+            sampled = (self.sampler(logits[:num_sampled], inputs.sampling_slots) if num_sampled
+                       else SamplerOutput([], []))
+            if inputs.prompt_owners:
+                sampled.prompt_logprobs = prompt_logprobs(logits[num_sampled:], inputs.prompt_targets,
+                                                          inputs.prompt_owners, self.sampler.vocab_size)
+            return sampled
 
     @torch.inference_mode()
     def forward(self, step: StepInputs) -> torch.Tensor | None:

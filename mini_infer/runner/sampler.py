@@ -49,6 +49,27 @@ class SamplerOutput:
     token_ids: list[int]
     # For rows that asked for logprobs (else None): sampled token's logprob and rank, and the top-N.
     logprobs: list[tuple[float, int, list[int], list[float]] | None]
+    # Requests' prompt logprobs computed this step: request id -> (first scored prompt position, per position
+    # (prompt token, its logprob, rank, the top-N ids, their logprobs)).
+    prompt_logprobs: dict[str, tuple[int, list[tuple[int, float, int, list[int], list[float]]]]] | None = None
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, owners: list[tuple[str, int, int, int]],
+                    vocab_size: int) -> dict[str, tuple[int, list[tuple[int, float, int, list[int], list[float]]]]]:
+    """Log-softmax of the prompt rows' logits [P, >= vocab] (float32 at least), each row's target token's logprob
+    and rank, and the top-N of each owner's rows (owners: request id, first position, rows, N; in row order)."""
+    rows = torch.log_softmax(logits[:, :vocab_size].to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    chosen = rows.gather(1, targets[:, None])[:, 0]
+    ranks = ((rows > chosen[:, None]).sum(dim=-1) + 1).tolist()
+    num_top = max(n for *_, n in owners)
+    top_values, top_ids = rows.topk(num_top, dim=-1) if num_top else (rows[:, :0], rows[:, :0].long())
+    chosen, top_values, top_ids, targets = chosen.tolist(), top_values.tolist(), top_ids.tolist(), targets.tolist()
+    result, at = {}, 0
+    for request_id, first, count, n in owners:
+        result[request_id] = (first, [(targets[r], chosen[r], ranks[r], top_ids[r][:n], top_values[r][:n])
+                                      for r in range(at, at + count)])
+        at += count
+    return result
 
 
 class Sampler:
@@ -81,8 +102,9 @@ class Sampler:
         self._params[slot] = params
         self._stop_ids[slot] = tuple(t for t in request.min_tokens_stop_ids if t < self.vocab_size)
         bias = params.logit_bias
-        self._bias[slot] = (torch.tensor(list(bias), dtype=torch.int64, device=self.device),
-                            torch.tensor(list(bias.values()), dtype=torch.float64, device=self.device)) if bias else None
+        self._bias[slot] = None if not bias else (
+            torch.tensor(list(bias), dtype=torch.int64, device=self.device),
+            torch.tensor(list(bias.values()), dtype=torch.float64, device=self.device))
         self._num_outputs[slot] = len(request.token_ids) - request.num_prompt_tokens
         generator = None
         if params.seed is not None:

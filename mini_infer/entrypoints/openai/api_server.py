@@ -13,6 +13,7 @@ import hmac
 import json
 import time
 import uuid
+from dataclasses import replace
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
@@ -167,7 +168,14 @@ class _Server:
 
     async def completion(self, request: Request, req: CompletionRequest):
         params = self._sampling_params(req, req.max_tokens, req.logprobs)
-        return await self._generate(request, req, req.prompt, params, CompletionChoices())
+        if not req.echo:
+            return await self._generate(request, req, req.prompt, params, CompletionChoices())
+        # echo: the prompt text before each choice's, and with logprobs the prompt's logprobs before its own.
+        tokenizer = self._tokenizer("echo")
+        text = req.prompt if isinstance(req.prompt, str) else await asyncio.to_thread(tokenizer.decode, req.prompt)
+        if req.logprobs is not None:
+            params = replace(params, prompt_logprobs=req.logprobs)
+        return await self._generate(request, req, req.prompt, params, CompletionChoices(text, tokenizer.decode))
 
     async def chat_completion(self, request: Request, req: ChatCompletionRequest):
         prompt = self._render_chat(req.messages, req.add_generation_prompt)
@@ -226,7 +234,9 @@ class _Server:
         result = await _unless_disconnected(request, _collect(outputs, first))
         if result is None:
             return Response(status_code=499)
-        completions, prompt_tokens = result
+        completions, prompt_token_ids, prompt_logprobs = result
+        choices.note_prompt(prompt_token_ids, prompt_logprobs)
+        prompt_tokens = len(prompt_token_ids)
         return {**meta, "object": choices.object,
                 "choices": [choices.choice(i, c.text, c.logprobs, c.finish_reason, c.stop_reason, streaming=False)
                             for i, c in sorted(completions.items())],
@@ -251,6 +261,7 @@ async def _events(outputs, first: RequestOutput, chunk: dict, include_usage: boo
     usage = {"usage": None} if include_usage else {}
     opened: set[int] = set()
     async for output in _chain(first, outputs):
+        choices.note_prompt(output.prompt_token_ids, output.prompt_logprobs)
         for completion in output.outputs:  # one chunk per choice that has something new, as vLLM streams n > 1
             index = completion.index
             opening = choices.opening(index) if index not in opened else None
@@ -309,9 +320,12 @@ async def _chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> As
 
 
 async def _collect(outputs: AsyncIterator[RequestOutput], first: RequestOutput):
-    """Run a request to the end: ({index: its whole CompletionOutput}, prompt tokens), from DELTA outputs."""
+    """Run a request to the end: ({index: its whole CompletionOutput}, prompt token ids, prompt logprobs or None),
+    from DELTA outputs."""
     completions: dict[int, CompletionOutput] = {}
+    prompt_logprobs = None
     async for output in _chain(first, outputs):
+        prompt_logprobs = prompt_logprobs if prompt_logprobs is not None else output.prompt_logprobs
         for delta in output.outputs:
             whole = completions.setdefault(delta.index, CompletionOutput(
                 delta.index, "", [], logprobs=[] if delta.logprobs is not None else None))
@@ -320,7 +334,7 @@ async def _collect(outputs: AsyncIterator[RequestOutput], first: RequestOutput):
             if whole.logprobs is not None:
                 whole.logprobs += delta.logprobs
             whole.finish_reason, whole.stop_reason = delta.finish_reason, delta.stop_reason
-    return completions, len(first.prompt_token_ids)
+    return completions, first.prompt_token_ids, prompt_logprobs
 
 
 async def _unless_disconnected(request: Request, work):

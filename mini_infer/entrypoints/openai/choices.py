@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from mini_infer.outputs import Logprob
+
 
 class Choices:
     """How one endpoint spells a choice, whole or as a streamed delta."""
@@ -14,6 +16,9 @@ class Choices:
         """A choice to stream before any text, or None."""
         return None
 
+    def note_prompt(self, prompt_token_ids: list[int], prompt_logprobs: list | None) -> None:
+        """An output's prompt token ids and prompt logprobs (the completions endpoint's echo uses them)."""
+
     def choice(self, index: int, text: str, logprobs: list[dict] | None, finish_reason: str | None, stop_reason,
                streaming: bool) -> dict:
         raise NotImplementedError
@@ -22,10 +27,25 @@ class Choices:
 class CompletionChoices(Choices):
     id_prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
 
-    def __init__(self) -> None:
+    def __init__(self, echo: str | None = None, decode=None) -> None:
+        """echo: the prompt text, which each choice's first text then begins with (and, with logprobs, its
+        logprobs with the prompt's: `decode` spells the first prompt token, which has none)."""
         self.text_offsets: dict[int, int] = {}  # each choice's offset of its next token, across a stream's chunks
+        self.echo, self.decode = echo, decode
+        self.echoed: set[int] = set()
+        self.prompt_entries: list[dict] | None = None
+
+    def note_prompt(self, prompt_token_ids, prompt_logprobs):
+        if self.echo is not None and self.prompt_entries is None and prompt_logprobs is not None:
+            first = prompt_token_ids[0]
+            self.prompt_entries = [{first: Logprob(None, None, self.decode([first]))}, *prompt_logprobs[1:]]
 
     def choice(self, index, text, logprobs, finish_reason, stop_reason, streaming):
+        if self.echo is not None and index not in self.echoed:
+            self.echoed.add(index)
+            text = self.echo + text
+            if logprobs is not None and self.prompt_entries is not None:
+                logprobs = self.prompt_entries + logprobs
         shaped = None
         if logprobs:
             shaped = _completion_logprobs(logprobs, self.text_offsets.get(index, 0))
@@ -63,8 +83,9 @@ def _completion_logprobs(logprobs: list[dict], text_offset: int) -> dict:
         sampled = next(iter(entry.values()))  # the sampled token comes first
         token = sampled.decoded_token or ""
         tokens.append(token)
-        token_logprobs.append(sampled.logprob)
-        top.append({(lp.decoded_token or ""): lp.logprob for lp in entry.values()})
+        token_logprobs.append(sampled.logprob)  # None for an echoed prompt's first token, as OpenAI's
+        top.append({(lp.decoded_token or ""): lp.logprob for lp in entry.values()} if sampled.logprob is not None
+                   else None)
         offsets.append(text_offset)
         text_offset += len(token)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}

@@ -93,9 +93,8 @@ class CompletionRequest(_SamplingRequest):
 
     @model_validator(mode="after")
     def _unsupported(self):
-        for name, default in (("echo", False), ("suffix", None)):
-            if getattr(self, name) != default:
-                raise InvalidRequestError(f"{name} is not supported by this server", name)
+        if self.suffix is not None:
+            raise InvalidRequestError("suffix is not supported by this server", "suffix")
         if self.best_of not in (None, 1):
             raise InvalidRequestError(f"best_of must be 1 (or absent), got {self.best_of}", "best_of")
         return self
