@@ -25,6 +25,7 @@ class RequestOutputKind(Enum):
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1
+    best_of: int | None = None  # sample this many (>= n), return the n of highest cumulative logprob, at the end
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -63,6 +64,9 @@ class SamplingParams:
             value = getattr(self, name)
             _check(_is_number(value), name, "must be a finite number", value)
         _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}]", self.n)
+        _check(self.best_of is None or (_is_int(self.best_of) and self.n <= self.best_of <= MAX_N), "best_of",
+               f"must be None or an integer in [n ({self.n}), {MAX_N}]", self.best_of)
+
         _check(self.temperature >= 0, "temperature", "must be >= 0", self.temperature)
         _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
         _check(_is_int(self.top_k) and (self.top_k >= -1), "top_k",
@@ -96,6 +100,11 @@ class SamplingParams:
                    f"values must be numbers in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", bias)
         _check(isinstance(self.output_kind, RequestOutputKind), "output_kind", "must be a RequestOutputKind",
                self.output_kind)
+
+    @property
+    def num_samples(self) -> int:
+        """How many sequences the request samples: best_of, else n."""
+        return self.best_of if self.best_of is not None else self.n
 
     @property
     def greedy(self) -> bool:

@@ -141,3 +141,44 @@ def test_data_parallel_replicas_run_whole_groups(model_dir):
     for prompt, out in zip([PROMPT, other], outs):
         assert [c.token_ids for c in out.outputs] == [alone(path, prompt, replace(SAMPLED, seed=7 + i))
                                                       for i in range(3)]
+
+
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_best_of_returns_the_n_likeliest_of_its_samples(model_dir, logprobs):
+    _, path = model_dir
+    llm = LLM(str(path), dtype="float64", block_size=4)
+    [out] = llm.generate([PROMPT], replace(SAMPLED, n=2, best_of=5, logprobs=logprobs), use_tqdm=False)
+    samples = []
+    for i in range(5):  # each child alone, with the logprobs that rank it
+        [alone_out] = LLM(str(path), dtype="float64", block_size=4).generate(
+            [PROMPT], replace(SAMPLED, seed=7 + i, logprobs=0), use_tqdm=False)
+        samples.append(alone_out.outputs[0])
+    best = sorted(samples, key=lambda c: -c.cumulative_logprob)[:2]
+    assert [c.index for c in out.outputs] == [0, 1]
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in best]
+    assert [c.cumulative_logprob for c in out.outputs] == pytest.approx([c.cumulative_logprob for c in best])
+    assert all((c.logprobs is None) == (logprobs is None) for c in out.outputs)
+    assert llm.engine.kv_cache_usage() == 0.0 and not llm.engine.groups
+
+
+def test_best_of_through_the_server_and_its_refusals(model_dir):
+    from test_server import ServerThread
+
+    from mini_infer.engine.async_engine import AsyncLLMEngine
+    from mini_infer.engine.metrics import EngineMetrics
+    from mini_infer.entrypoints.openai.api_server import build_app
+
+    _, path = model_dir
+    engine = AsyncLLMEngine(LLMEngine.from_args(str(path), dtype="float64", block_size=4), EngineMetrics("m"))
+    body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0.9, "seed": 7, "ignore_eos": True, "best_of": 3}
+    try:
+        with ServerThread(build_app(engine, "m")) as server:
+            whole = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+            assert whole.status_code == 200 and [c["index"] for c in whole.json()["choices"]] == [0]
+            assert whole.json()["usage"]["completion_tokens"] == 5
+            for bad in ({**body, "stream": True}, {**body, "n": 4}):
+                refused = httpx.post(server.url + "/v1/completions", json=bad, timeout=60)
+                assert refused.status_code == 400 and refused.json()["error"]["param"] == "best_of", refused.text
+        assert engine.engine.kv_cache_usage() == 0.0
+    finally:
+        engine.shutdown()

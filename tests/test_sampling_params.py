@@ -54,6 +54,9 @@ INVALID = [
     ("prompt_logprobs", dict(prompt_logprobs=21)),
     ("prompt_logprobs", dict(prompt_logprobs=-1)),
     ("prompt_logprobs", dict(prompt_logprobs=1.0)),
+    ("best_of", dict(n=3, best_of=2)),
+    ("best_of", dict(best_of=129)),
+    ("best_of", dict(best_of=2.0)),
     ("n", dict(n=129)),
     ("n", dict(n=0)),
     ("n", dict(n=2.0)),
@@ -119,6 +122,7 @@ def test_seed_that_no_generator_accepts_is_refused_naming_the_field(seed):
     dict(output_kind=RequestOutputKind.DELTA),
     dict(logit_bias={0: -100, 151935: 100.0, 7: 0.5}),
     dict(n=1), dict(n=2), dict(n=128), dict(prompt_logprobs=0), dict(prompt_logprobs=20),
+    dict(best_of=None), dict(n=2, best_of=2), dict(n=2, best_of=128),
 ])
 def test_valid_boundary_values_are_accepted(kwargs):
     params = SamplingParams(**kwargs)

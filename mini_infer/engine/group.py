@@ -22,15 +22,20 @@ def child_id(parent_id: str, index: int) -> str:
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Child `index`'s: seed + index; prompt logprobs from the first child only (the others find the prompt cached)."""
-    return replace(params, n=1, seed=params.seed + index if params.seed is not None else None,
-                   prompt_logprobs=params.prompt_logprobs if index == 0 else None)
+    """Child `index`'s: seed + index; prompt logprobs from the first child only (the others find the prompt cached);
+    with best_of > n, sampled-token logprobs at least, for the cumulative logprob that ranks the children."""
+    ranked = params.num_samples > params.n
+    return replace(params, n=1, best_of=None, seed=params.seed + index if params.seed is not None else None,
+                   prompt_logprobs=params.prompt_logprobs if index == 0 else None,
+                   logprobs=params.logprobs if params.logprobs is not None or not ranked else 0)
 
 
 @dataclass(slots=True)
 class RequestGroup:
     request_id: str
     kind: RequestOutputKind
+    n: int  # completions to return: all the children's, or with best_of the n of highest cumulative logprob
+    keep_logprobs: bool  # the request asked for logprobs (with best_of, the children compute them regardless)
     children: list[str]  # every child's id, by index
     waiting: list[Request]  # children not yet handed to the scheduler (until the first has computed the prompt)
     latest: dict[int, CompletionOutput] = field(default_factory=dict)  # each child's last (not DELTA)
@@ -57,6 +62,10 @@ class RequestGroup:
             return None
         shown = ([output.outputs[0] for output in outputs] if self.kind is RequestOutputKind.DELTA
                  else [self.latest[i] for i in sorted(self.latest)])
+        if len(self.children) > self.n and self.done:  # best_of: the n likeliest, best first, indexed 0..n-1
+            best = sorted(shown, key=lambda c: (-c.cumulative_logprob, c.index))[: self.n]
+            shown = [replace(c, index=i, logprobs=c.logprobs if self.keep_logprobs else None)
+                     for i, c in enumerate(best)]
         first = outputs[0]
         # DELTA: in the one output that brings them; else in every output from then on.
         prompt_logprobs = arrived if self.kind is RequestOutputKind.DELTA else self.prompt_logprobs

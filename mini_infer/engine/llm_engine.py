@@ -7,6 +7,7 @@ of them reaches the scheduler, so the engine keeps serving everything else.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -78,20 +79,24 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
         """Queue a request; with params.n > 1 its n completions run as child requests (engine/group.py)."""
         text, token_ids, params, max_tokens = self.processor.process(prompt, params)
-        ids = [request_id] if params.n == 1 else [child_id(request_id, i) for i in range(params.n)]
+        count = params.num_samples
+        if count > params.n:  # best_of: the best are known only at the end, so that is when they come
+            params = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+        ids = [request_id] if count == 1 else [child_id(request_id, i) for i in range(count)]
         for rid in {request_id, *ids}:
             if rid in self.requests or rid in self.groups:
                 raise InvalidRequestError(f"request_id {rid!r} is already in use by an unfinished request",
                                           "request_id")
-        requests = [self._request(rid, text, token_ids, params if params.n == 1 else child_params(params, i),
-                                  max_tokens, i, request_id if params.n > 1 else None) for i, rid in enumerate(ids)]
+        requests = [self._request(rid, text, token_ids, params if count == 1 else child_params(params, i),
+                                  max_tokens, i, request_id if count > 1 else None) for i, rid in enumerate(ids)]
         for request in requests:
             self.requests[request.request_id] = request
-        if params.n > 1:
+        if count > 1:
             # The first child computes the prompt; the others wait for its blocks to be cached (without a prefix
             # cache there is nothing to wait for).
             waiting = requests[1:] if self.config.enable_prefix_caching else []
-            self.groups[request_id] = RequestGroup(request_id, params.output_kind, ids, waiting)
+            self.groups[request_id] = RequestGroup(request_id, params.output_kind, params.n,
+                                                   params.logprobs is not None, ids, waiting)
             self._child_groups.update((cid, request_id) for cid in ids)
             requests = requests[:1] if waiting else requests
         for request in requests:

@@ -31,6 +31,7 @@ class _SamplingRequest(BaseModel):
     temperature: float | None = None  # None: the model's generation_config.json, as vLLM does
     top_p: float | None = None
     n: int = 1
+    best_of: int | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
@@ -52,6 +53,9 @@ class _SamplingRequest(BaseModel):
     def _checks(self):
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true", "stream_options")
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            raise InvalidRequestError("best_of > n cannot stream (the best completions are known only at the end)",
+                                      "best_of")
         return self
 
     logit_bias: dict[str, float] | None = None  # token id (as JSON object keys are: a string) -> bias
@@ -61,7 +65,7 @@ class _SamplingRequest(BaseModel):
         chosen = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p",
                                                           "repetition_penalty", "presence_penalty",
                                                           "frequency_penalty") if getattr(self, name) is not None}
-        return replace(defaults, **chosen, n=self.n, seed=self.seed, max_tokens=max_tokens,
+        return replace(defaults, **chosen, n=self.n, best_of=self.best_of, seed=self.seed, max_tokens=max_tokens,
                        min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop=self.stop,
                        stop_token_ids=self.stop_token_ids, logprobs=logprobs,
                        include_stop_str_in_output=self.include_stop_str_in_output,
@@ -89,14 +93,11 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
 
     @model_validator(mode="after")
     def _unsupported(self):
         if self.suffix is not None:
             raise InvalidRequestError("suffix is not supported by this server", "suffix")
-        if self.best_of not in (None, 1):
-            raise InvalidRequestError(f"best_of must be 1 (or absent), got {self.best_of}", "best_of")
         return self
 
 
