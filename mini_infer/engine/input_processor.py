@@ -52,11 +52,8 @@ class InputProcessor:
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}", "params")
         if params.stop_strings and self.tokenizer is None:
             raise InvalidRequestError("SamplingParams.stop needs a tokenizer; this model directory has none", "stop")
-        vocab = self.config.model_config.vocab_size
-        outside = [t for t in params.logit_bias or () if t >= vocab]
-        if outside:
-            raise InvalidRequestError(f"logit_bias token id {outside[0]} is out of range: token ids must be in "
-                                      f"[0, {vocab - 1}]", "logit_bias")
+        check_token_ids(params.logit_bias or (), self.config.model_config.vocab_size, "logit_bias token id",
+                        "logit_bias")
         text, token_ids = self._tokenize(prompt)
         return text, token_ids, params, self._check_lengths(len(token_ids), params)
 
@@ -106,10 +103,7 @@ class InputProcessor:
         vocab = self.config.model_config.vocab_size
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
             raise InvalidRequestError("prompt token ids must be integers", "prompt")
-        if min(token_ids) < 0 or max(token_ids) >= vocab:
-            bad = next(t for t in token_ids if not 0 <= t < vocab)
-            raise InvalidRequestError(f"prompt token id {bad} is out of range: token ids must be in "
-                                      f"[0, {vocab - 1}]", "prompt")
+        check_token_ids(token_ids, vocab, "prompt token id", "prompt")
         return text, token_ids
 
     def _check_lengths(self, num_prompt_tokens: int, params: SamplingParams) -> int:
@@ -129,6 +123,13 @@ class InputProcessor:
                                       f"{blocks} KV blocks but the whole cache has {self.num_kv_blocks} "
                                       f"(block_size {block_size})", "max_tokens")
         return max_tokens
+
+
+def check_token_ids(token_ids, vocab_size: int, what: str, field: str) -> None:
+    """Refuse the first id outside the vocabulary, naming `field` (InvalidRequestError)."""
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(f"{what} {bad} is out of range: token ids must be in [0, {vocab_size - 1}]", field)
 
 
 def check_text(text: str, field: str) -> None:

@@ -152,6 +152,8 @@ class LLMEngine:
     def _grouped(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """The step's outputs with each group's children merged into one output of the group (dropped where it
         has nothing to report yet)."""
+        if not self._child_groups:  # no request of n > 1 in flight: nothing to merge
+            return outputs
         merged, children = [], {}
         for output in outputs:
             group_id = self._child_groups.get(output.request_id)
@@ -217,20 +219,22 @@ class LLMEngine:
 
     def _record_logprobs(self, request: Request, token_id: int, logprobs) -> None:
         logprob, rank, top_ids, top_values = logprobs
-        entry = {token_id: Logprob(logprob, rank, self._decode_token(token_id))}
-        for i, (tid, value) in enumerate(zip(top_ids, top_values)):
-            entry.setdefault(tid, Logprob(value, i + 1, self._decode_token(tid)))
-        request.logprobs.append(entry)
+        request.logprobs.append(self._logprob_entry(token_id, logprob, rank, top_ids, top_values))
         request.cumulative_logprob += logprob
 
     def _record_prompt_logprobs(self, request: Request, first: int, scored: list) -> None:
         """Prompt positions first.. of a step's prompt logprobs (a recompute after preemption finds them kept)."""
-        for position, (token_id, logprob, rank, top_ids, top_values) in enumerate(scored, start=first):
+        for position, (token_id, *logprobs) in enumerate(scored, start=first):
             if request.prompt_logprobs[position] is None:
-                entry = {token_id: Logprob(logprob, rank, self._decode_token(token_id))}
-                for i, (tid, value) in enumerate(zip(top_ids, top_values)):
-                    entry.setdefault(tid, Logprob(value, i + 1, self._decode_token(tid)))
-                request.prompt_logprobs[position] = entry
+                request.prompt_logprobs[position] = self._logprob_entry(token_id, *logprobs)
+
+    def _logprob_entry(self, token_id: int, logprob: float, rank: int, top_ids: list[int],
+                       top_values: list[float]) -> dict[int, Logprob]:
+        """One position's logprobs: its token's first, then the top-N not already there."""
+        entry = {token_id: Logprob(logprob, rank, self._decode_token(token_id))}
+        for i, (tid, value) in enumerate(zip(top_ids, top_values)):
+            entry.setdefault(tid, Logprob(value, i + 1, self._decode_token(tid)))
+        return entry
 
     def _decode_token(self, token_id: int) -> str | None:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None

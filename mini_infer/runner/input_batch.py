@@ -110,8 +110,10 @@ class InputBatch:
         logits_indices = (query_start_loc[1:] - 1)[torch.tensor(samples, dtype=torch.bool)]
         prompt_rows, prompt_targets, owners = [], [], []
         for i, slot in enumerate(slot_list):  # requests that want prompt logprobs: the prompt positions they compute
+            if self.prompt_logprobs[slot] is None:
+                continue
             end = min(starts[i] + plan.num_new_tokens[i], self.num_prompt[slot] - 1)  # position p scores p + 1
-            if self.prompt_logprobs[slot] is not None and end > starts[i]:
+            if end > starts[i]:
                 scored = torch.arange(starts[i], end)
                 prompt_rows.append(query_start_loc[i] + scored - starts[i])
                 prompt_targets.append(self.token_ids[slot, scored + 1])

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mini_infer.engine.arg_utils import EngineArgs
 from mini_infer.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineShutdownError
+from mini_infer.engine.input_processor import check_token_ids
 from mini_infer.entrypoints.openai.choices import ChatChoices, Choices, CompletionChoices, usage_body
 from mini_infer.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                     TokenizeRequest)
@@ -213,10 +214,7 @@ class _Server:
 
     async def detokenize(self, _request: Request, req: DetokenizeRequest):
         tokenizer = self._tokenizer("tokens")
-        vocab = self.engine.config.model_config.vocab_size
-        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(400, f"token id {bad} is out of range: token ids must be in [0, {vocab - 1}]", "tokens")
+        check_token_ids(req.tokens, self.engine.config.model_config.vocab_size, "token id", "tokens")
         return {"prompt": await asyncio.to_thread(tokenizer.decode, req.tokens)}
 
     async def _generate(self, request: Request, req, prompt, params, choices: Choices):
