@@ -3,8 +3,8 @@
 from mini_infer.engine.llm_engine import LLMEngine
 from mini_infer.llm import LLM
 from mini_infer.outputs import CompletionOutput, Logprob, RequestOutput
-from mini_infer.sampling_params import RequestOutputKind, SamplingParams
+from mini_infer.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "RequestOutputKind"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
+           "Logprob", "RequestOutputKind"]
 __version__ = "0.1.0"

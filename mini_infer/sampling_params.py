@@ -16,6 +16,49 @@ MAX_N = 128  # completions per request (OpenAI's limit for n)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 
 
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """Constrained decoding (vLLM's StructuredOutputsParams): exactly one of json (a JSON schema, as a dict or
+    text), regex, choice (the output is one of these strings), grammar (EBNF, xgrammar's GBNF dialect) and
+    json_object (any JSON object). disable_any_whitespace: JSON without whitespace between its tokens (by
+    default any whitespace may come there, as in vLLM)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
+        _check(len(given) == 1, "structured_outputs", f"must set exactly one of {', '.join(_CONSTRAINTS)}",
+               given or None)
+        _check(self.json is None or isinstance(self.json, (str, dict)), "structured_outputs",
+               "json must be a JSON schema (a dict or its JSON text)", self.json)
+        _check(self.regex is None or isinstance(self.regex, str), "structured_outputs", "regex must be a string",
+               self.regex)
+        _check(self.grammar is None or isinstance(self.grammar, str), "structured_outputs",
+               "grammar must be a string (EBNF)", self.grammar)
+        _check(self.choice is None or (isinstance(self.choice, (list, tuple)) and len(self.choice) > 0
+                                       and all(isinstance(c, str) and c for c in self.choice)),
+               "structured_outputs", "choice must be a non-empty list of non-empty strings", self.choice)
+        _check(self.json_object in (None, True, False), "structured_outputs", "json_object must be a boolean",
+               self.json_object)
+        _check(isinstance(self.disable_any_whitespace, bool), "structured_outputs",
+               "disable_any_whitespace must be a boolean", self.disable_any_whitespace)
+        if self.choice is not None:
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint it is: json, regex, choice, grammar or json_object."""
+        return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
+
+
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
 class RequestOutputKind(Enum):
     CUMULATIVE = 0  # every output carries the whole text and token ids so far
     DELTA = 1  # every output carries only what is new since the previous one
@@ -43,6 +86,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # each prompt token's logprob (the first: None) and the top-N at its position
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before penalties and sampling
+    structured_outputs: StructuredOutputsParams | None = None  # the output must match a schema, regex, ...
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: list[str] = field(init=False)
@@ -98,6 +142,8 @@ class SamplingParams:
                    token_id)
             _check(_is_number(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS, "logit_bias",
                    f"values must be numbers in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", bias)
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", "must be a StructuredOutputsParams", self.structured_outputs)
         _check(isinstance(self.output_kind, RequestOutputKind), "output_kind", "must be a RequestOutputKind",
                self.output_kind)
 

@@ -113,6 +113,8 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         # Tokenized here, on a worker thread: a long text would otherwise hold every stream up on the engine's.
         prompt = await loop.run_in_executor(None, self._processor.tokenize, prompt)
+        if params.structured_outputs is not None:  # compiled there too (cached), and refused there if it cannot be
+            await loop.run_in_executor(None, self._processor.grammars.compile, params.structured_outputs)
         stream = _Stream(loop, asyncio.Queue())
         added = loop.create_future()
         params = replace(params, output_kind=RequestOutputKind.DELTA)

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from mini_infer.config import EngineConfig
+from mini_infer.engine.structured_output import GrammarCompiler
 from mini_infer.errors import InvalidRequestError
 from mini_infer.sampling_params import SamplingParams
 
@@ -29,6 +30,7 @@ class InputProcessor:
         self.num_kv_blocks = num_kv_blocks
         self.generation_config = _read_generation_config(Path(config.model))
         self.eos_token_ids = self._eos_token_ids()
+        self.grammars = GrammarCompiler(tokenizer, config.model_config.vocab_size, self.eos_token_ids)
 
     def _eos_token_ids(self) -> frozenset[int]:
         ids = set(self.config.model_config.eos_token_ids)
@@ -54,6 +56,8 @@ class InputProcessor:
             raise InvalidRequestError("SamplingParams.stop needs a tokenizer; this model directory has none", "stop")
         check_token_ids(params.logit_bias or (), self.config.model_config.vocab_size, "logit_bias token id",
                         "logit_bias")
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)  # cached: compiled once per distinct constraint
         text, token_ids = self._tokenize(prompt)
         return text, token_ids, params, self._check_lengths(len(token_ids), params)
 

@@ -10,6 +10,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
+import logging
+
 import torch
 
 from mini_infer.config import EngineConfig
@@ -21,14 +23,17 @@ from mini_infer.engine.kv_cache import KVCacheManager
 from mini_infer.engine.request import Request, RequestStatus
 from mini_infer.engine.scheduler import Scheduler
 from mini_infer.engine.stop import check_stop
+from mini_infer.engine.structured_output import allocate_bitmask
 from mini_infer.errors import InvalidRequestError, WorkerDiedError
 from mini_infer.executor.ranks import Ranks
 from mini_infer.outputs import CompletionOutput, Logprob, RequestOutput
 from mini_infer.profiling import profiled
 from mini_infer.runner.model_runner import ModelRunner
-from mini_infer.runner.plan import StepPlan
+from mini_infer.runner.plan import GrammarBitmask, StepPlan
 from mini_infer.runner.sampler import SamplerOutput
 from mini_infer.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -63,6 +68,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, RequestGroup] = {}  # requests of n > 1, by their id (their children are in requests)
         self._child_groups: dict[str, str] = {}  # child request id -> its group's
+        self._constrained: set[str] = set()  # unfinished requests with structured outputs (a grammar)
         self._aborted_outputs: list[RequestOutput] = []
         self._failure: WorkerDiedError | None = None
 
@@ -105,9 +111,13 @@ class LLMEngine:
     def _request(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams,
                  max_tokens: int, index: int, group_id: str | None) -> Request:
         detokenizer = IncrementalDetokenizer(self.tokenizer, params) if self.tokenizer is not None else None
-        return Request(request_id=request_id, prompt=text, prompt_token_ids=token_ids, params=params,
-                       max_tokens=max_tokens, eos_token_ids=frozenset() if params.ignore_eos
-                       else self.processor.eos_token_ids, detokenizer=detokenizer, index=index, group_id=group_id)
+        request = Request(request_id=request_id, prompt=text, prompt_token_ids=token_ids, params=params,
+                          max_tokens=max_tokens, eos_token_ids=frozenset() if params.ignore_eos
+                          else self.processor.eos_token_ids, detokenizer=detokenizer, index=index, group_id=group_id)
+        if params.structured_outputs is not None:
+            request.grammar = self.processor.grammars.matcher(params.structured_outputs, request.stop_token_ids)
+            self._constrained.add(request_id)
+        return request
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Abort unfinished requests (unknown or finished ids are ignored; a request of n > 1 with all its
@@ -119,6 +129,7 @@ class LLMEngine:
                 request = self.requests.pop(cid, None)
                 if request is None:
                     continue
+                self._constrained.discard(cid)
                 if cid in waiting:  # never scheduled
                     request.status = RequestStatus.FINISHED_ABORTED
                 else:
@@ -138,6 +149,9 @@ class LLMEngine:
             plan = self.scheduler.schedule()
         if not (plan.request_ids or plan.finished_ids or plan.preempted_ids):
             return self._grouped(outputs)
+        if self._constrained:
+            with profiled("structured_outputs"):
+                plan.grammar = self._grammar_bitmask(plan)
         sampled = self._execute(plan)
         with profiled("scheduler"):
             outputs.extend(self._process(plan, sampled))
@@ -171,6 +185,18 @@ class LLMEngine:
                 for cid in group.children:
                     del self._child_groups[cid]
         return merged
+
+    def _grammar_bitmask(self, plan: StepPlan) -> GrammarBitmask | None:
+        """The tokens each structured-output request that samples in this step may take (None if none samples)."""
+        sampling = [self.requests[rid] for rid, num_new in zip(plan.request_ids, plan.num_new_tokens)
+                    if self.requests[rid].num_computed_tokens + num_new >= self.requests[rid].num_tokens]
+        rows = [row for row, request in enumerate(sampling) if request.grammar is not None]
+        if not rows:
+            return None
+        bitmask = allocate_bitmask(len(sampling), self.config.model_config.vocab_size)
+        for row in rows:
+            sampling[row].grammar.fill(bitmask, row)
+        return GrammarBitmask(rows, bitmask)
 
     def _release_waiting_children(self, group_id: str) -> None:
         """The group's first child has computed the prompt (its blocks are cached): the others may start."""
@@ -208,14 +234,25 @@ class LLMEngine:
                 self._release_waiting_children(request.group_id)
             if logprobs is not None:
                 self._record_logprobs(request, token_id, logprobs)
-            check_stop(request, token_id)
+            check_stop(request, token_id, request.grammar is not None and self._advance_grammar(request, token_id))
             if request.finished:
                 self.scheduler.finish(request, request.status)
                 del self.requests[request_id]
+                self._constrained.discard(request_id)
             output = _make_output(request)
             if output is not None:
                 outputs.append(output)
         return outputs
+
+    def _advance_grammar(self, request: Request, token_id: int) -> bool:
+        """Move the request's matcher past its new token; True when that ends it (the grammar is complete and
+        cannot end on a stop token: it has none, with ignore_eos)."""
+        if not request.grammar.accept(token_id):
+            # Only possible when a min_tokens mask removed every token the grammar allowed (its stop tokens).
+            logger.error("request %s: token %d is outside its structured-output grammar; the request stops",
+                         request.request_id, token_id)
+            return True
+        return request.grammar.terminated and token_id not in request.stop_token_ids
 
     def _record_logprobs(self, request: Request, token_id: int, logprobs) -> None:
         logprob, rank, top_ids, top_values = logprobs

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from mini_infer.engine.detokenizer import IncrementalDetokenizer
+from mini_infer.engine.structured_output import Grammar
 from mini_infer.outputs import Logprob
 from mini_infer.sampling_params import SamplingParams
 
@@ -42,6 +43,7 @@ class Request:
     prompt_logprobs_emitted: bool = False
     index: int = 0  # which of its group's n completions (SamplingParams.n; engine/group.py)
     group_id: str | None = None  # the request it was fanned out of, or None
+    grammar: Grammar | None = None  # SamplingParams.structured_outputs: where its output is in its grammar
     # What the last RequestOutput already carried (for DELTA outputs).
     num_emitted_tokens: int = 0
     num_emitted_chars: int = 0

@@ -7,8 +7,9 @@ from mini_infer.engine.detokenizer import IncrementalDetokenizer
 from mini_infer.engine.request import Request, RequestStatus
 
 
-def check_stop(request: Request, token_id: int) -> None:
-    """After `token_id` was appended: update the request's text and set its status and stop reason if it is done.
+def check_stop(request: Request, token_id: int, grammar_complete: bool = False) -> None:
+    """After `token_id` was appended: update the request's text and set its status and stop reason if it is done
+    (grammar_complete: its structured-output grammar is complete and has no stop token to end on).
     (The sampler masks the stop token ids while fewer than min_tokens outputs exist: Request.stop_token_ids.)"""
     may_stop = request.num_output_tokens >= request.params.min_tokens
     status, reason = None, None
@@ -16,6 +17,8 @@ def check_stop(request: Request, token_id: int) -> None:
         status = RequestStatus.FINISHED_STOPPED
     elif may_stop and token_id in request.params.stop_token_ids:
         status, reason = RequestStatus.FINISHED_STOPPED, token_id
+    elif grammar_complete:
+        status = RequestStatus.FINISHED_STOPPED
     elif request.num_output_tokens >= request.max_tokens:
         status = RequestStatus.FINISHED_LENGTH
     if request.detokenizer is not None:

@@ -74,7 +74,7 @@ class ModelRunner:
             return None
         num_sampled = len(inputs.sampling_slots)
         with profiled("sampling"):
-            sampled = (self.sampler(logits[:num_sampled], inputs.sampling_slots) if num_sampled
+            sampled = (self.sampler(logits[:num_sampled], inputs.sampling_slots, plan.grammar) if num_sampled
                        else SamplerOutput([], []))
             if inputs.prompt_owners:
                 sampled.prompt_logprobs = prompt_logprobs(logits[num_sampled:], inputs.prompt_targets,

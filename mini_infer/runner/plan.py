@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from mini_infer.sampling_params import SamplingParams
 
 
@@ -24,6 +26,16 @@ class NewRequest:
 
 
 @dataclass(slots=True)
+class GrammarBitmask:
+    """The tokens structured-output requests may sample this step: `bitmask` int32 [sampled rows, ceil(vocab / 32)]
+    (bit j of word w allows token 32 w + j), one row per request that samples, in batch order; `rows` are the
+    rows that constrain anything."""
+
+    rows: list[int]
+    bitmask: torch.Tensor
+
+
+@dataclass(slots=True)
 class StepPlan:
     """One step. `request_ids` is the batch order: requests decoding one token first, then prompt chunks."""
 
@@ -38,6 +50,7 @@ class StepPlan:
     # sampling state goes too; a preempted one keeps its seeded generator for when it comes back.
     finished_ids: list[str] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    grammar: GrammarBitmask | None = None  # when a structured-output request samples in this step
 
     @property
     def num_tokens(self) -> int:

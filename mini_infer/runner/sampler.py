@@ -4,7 +4,7 @@ Each slot of the persistent batch keeps its request's sampling parameters as ten
 requests, the tokens it has seen and its output-token counts (runner/penalties.py), updated as tokens arrive; a
 step gathers the rows of the requests it samples, so its host work is O(batch) whatever the context length.
 
-Order (as in vLLM): logit_bias, min_tokens mask, penalties, greedy argmax; then temperature, min_p, top_k, top_p and a
+Order (as in vLLM): the structured-output bitmask (tokens a request's grammar forbids get -inf), logit_bias, min_tokens mask, penalties, greedy argmax; then temperature, min_p, top_k, top_p and a
 draw by inverse CDF from one uniform per row; requests with a seed draw it from their own generator, so their
 samples do not depend on the batch. top_k and top_p work on each row's likeliest tokens (torch.topk), not a sort of
 the whole vocabulary, unless the nucleus reaches past them. logit_bias is added in one scatter over the batch's
@@ -13,7 +13,7 @@ Where the runner gives it a top-k (its native kernel) and every row is greedy or
 (the model's generation_config defaults have top_k 20), a step reads the logits once: penalties and min_tokens masks
 become sparse edits that the top-k reads in place of the logits at those ids, and temperature, min_p, top_p and the
 draw work on the k candidates only (no float32 copy, temperature pass or sort of the vocabulary-wide rows); a batch
-with a logit_bias takes the full path.
+with a logit_bias or a grammar takes the full path.
 Logprobs are those of the raw model logits.
 """
 
@@ -23,9 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import xgrammar as xgr
 
 from mini_infer.runner.penalties import Penalties
-from mini_infer.runner.plan import NewRequest
+from mini_infer.runner.plan import GrammarBitmask, NewRequest
 from mini_infer.sampling_params import SamplingParams
 
 # The runner's top-k where its native kernels run: logits [R, V] (as they are), k per row [R], edits (ids [R, W],
@@ -160,21 +161,24 @@ class Sampler:
 
     # ---- sampling ----
 
-    def __call__(self, logits: torch.Tensor, slots: list[int]) -> SamplerOutput:
-        """Sample one token for each row of `logits`, row i belonging to the request in slots[i]."""
+    def __call__(self, logits: torch.Tensor, slots: list[int], grammar: GrammarBitmask | None = None) -> SamplerOutput:
+        """Sample one token for each row of `logits`, row i belonging to the request in slots[i]; `grammar` limits
+        the tokens of its rows."""
         params = [self._params[s] for s in slots]
         # The sampler's own copy when anything below edits it in place (the caller's logits stay as they are).
         biased = any(self._bias[s] is not None for s in slots)
-        edits = (biased or not all(p.greedy and not p.uses_penalties for p in params)
+        edits = (biased or grammar is not None or not all(p.greedy and not p.uses_penalties for p in params)
                  or any(self._num_outputs[s] < self._params[s].min_tokens for s in slots))
         wants_logprobs = any(p.logprobs is not None for p in params)
         if not edits and not wants_logprobs:  # plain greedy: the argmax of the logits as they are
             return SamplerOutput(self.argmax(logits[:, : self.vocab_size]).tolist(), [None] * len(params))
-        if (self.top_k is not None and not wants_logprobs and not biased
+        if (self.top_k is not None and not wants_logprobs and not biased and grammar is None
                 and all(p.greedy or self._kept(p) <= CANDIDATES for p in params)):
             return SamplerOutput(self._sample_top_k(logits, slots, params).tolist(), [None] * len(params))
         work = logits[:, : self.vocab_size].to(torch.promote_types(logits.dtype, torch.float32), copy=edits)
         raw_logprobs = torch.log_softmax(work, dim=-1) if wants_logprobs else None
+        if grammar is not None:
+            apply_bitmask(work, grammar.rows, grammar.bitmask, self.vocab_size)
         if biased:
             self.apply_logit_bias(work, slots)
         self.mask_stop_tokens_under_min(work, slots)
@@ -285,6 +289,18 @@ class Sampler:
                 u[i] = 1 - torch.rand(1, dtype=torch.float64, generator=self._slot_generators[slot],
                                       device=self.device)
         return u
+
+
+def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """-inf, in place, on the tokens that the rows `rows` of `logits` [R, vocab] may not take (bitmask [R, words],
+    rows aligned with the logits'): one call of xgrammar's vectorised kernel; float64 logits take it through a
+    float32 mask of 0 and -inf, added."""
+    if logits.dtype == torch.float32:
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=rows)
+        return logits
+    mask = torch.zeros(len(rows), vocab_size, dtype=torch.float32, device=logits.device)
+    xgr.apply_token_bitmask_inplace(mask, bitmask[rows], vocab_size=vocab_size)
+    return logits.index_add_(0, torch.tensor(rows, device=logits.device), mask.to(logits.dtype))
 
 
 # A row with top_p but no top_k looks for its nucleus among this many of its likeliest tokens before sorting all.

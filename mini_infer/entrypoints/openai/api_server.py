@@ -145,7 +145,10 @@ class _Server:
         try:
             return await run(request, parsed)
         except InvalidRequestError as e:  # refused by SamplingParams, the engine, or a message's content
-            raise APIError(400, str(e), _api_param(e.field, parsed)) from None
+            param, message = _api_param(e.field, parsed), str(e)
+            if e.field == "structured_outputs" and param != e.field:  # the engine's name for the request's field
+                message = message.replace("structured_outputs", param, 1)
+            raise APIError(400, message, param) from None
 
     async def _read_json(self, request: Request):
         declared = request.headers.get("content-length")
@@ -372,6 +375,8 @@ def _sse(payload: dict) -> str:
 
 def _api_param(field: str | None, req) -> str | None:
     """The request field behind an engine field (a SamplingParams field or "prompt")."""
+    if field == "structured_outputs":
+        return req.structured_outputs_field or field
     if isinstance(req, ChatCompletionRequest):
         if field == "prompt":
             return "messages"

@@ -14,7 +14,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mini_infer.engine.input_processor import check_text
 from mini_infer.errors import InvalidRequestError
-from mini_infer.sampling_params import SamplingParams
+from mini_infer.sampling_params import SamplingParams, StructuredOutputsParams
+
+# vLLM's older per-constraint fields: field -> the StructuredOutputsParams field it sets.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
 
 
 class StreamOptions(BaseModel):
@@ -56,9 +60,61 @@ class _SamplingRequest(BaseModel):
         if self.stream and self.best_of is not None and self.best_of > self.n:
             raise InvalidRequestError("best_of > n cannot stream (the best completions are known only at the end)",
                                       "best_of")
+        self.structured_outputs_params()  # refused here, naming the request's own field
         return self
 
     logit_bias: dict[str, float] | None = None  # token id (as JSON object keys are: a string) -> bias
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+
+    @property
+    def structured_outputs_field(self) -> str | None:
+        """The request field that gives the structured-output constraint (at most one may), or None."""
+        given = self._constraint_fields()
+        return given[0] if given else None
+
+    def _constraint_fields(self) -> list[str]:
+        given = [name for name in GUIDED_FIELDS if getattr(self, name) is not None]
+        if set(self.structured_outputs or ()) - {"disable_any_whitespace"}:
+            given.insert(0, "structured_outputs")
+        if self.response_format not in (None, {"type": "text"}):
+            given.insert(0, "response_format")
+        return given
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The request's constraint (InvalidRequestError naming the field that is wrong). As in vLLM,
+        structured_outputs may also carry only options (disable_any_whitespace) for response_format or a guided_*
+        field's constraint."""
+        if self.guided_whitespace_pattern is not None:
+            raise InvalidRequestError("guided_whitespace_pattern is not supported by the xgrammar backend; use "
+                                      "structured_outputs.disable_any_whitespace", "guided_whitespace_pattern")
+        given = self._constraint_fields()
+        if len(given) > 1:
+            raise InvalidRequestError(f"give at most one structured-output constraint (response_format, "
+                                      f"structured_outputs or a guided_* field); this request sets "
+                                      f"{', '.join(given)}", given[1])
+        if not given:
+            return None
+        field, options = given[0], dict(self.structured_outputs or {})
+        if not isinstance(options.get("disable_any_whitespace", False), bool):
+            raise InvalidRequestError("structured_outputs.disable_any_whitespace must be a boolean",
+                                      "structured_outputs")
+        try:
+            if field == "response_format":
+                return StructuredOutputsParams(**options, **_response_format(self.response_format))
+            if field == "structured_outputs":
+                return StructuredOutputsParams(**options)
+            return StructuredOutputsParams(**options, **{GUIDED_FIELDS[field]: getattr(self, field)})
+        except TypeError as e:  # an unknown key in structured_outputs
+            raise InvalidRequestError(f"structured_outputs: {e}", "structured_outputs") from None
+        except InvalidRequestError as e:
+            raise InvalidRequestError(str(e).replace("SamplingParams.structured_outputs", field, 1), field) from None
 
     def sampling_params(self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The request's SamplingParams: fields it sets over the model's defaults (InvalidRequestError if bad)."""
@@ -69,7 +125,8 @@ class _SamplingRequest(BaseModel):
                        min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop=self.stop,
                        stop_token_ids=self.stop_token_ids, logprobs=logprobs,
                        include_stop_str_in_output=self.include_stop_str_in_output,
-                       skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias())
+                       skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(),
+                       structured_outputs=self.structured_outputs_params())
 
     def _logit_bias(self) -> dict[int, float] | None:
         if self.logit_bias is None:
@@ -131,15 +188,11 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True  # vLLM's extra field
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none"] | None = None
 
     @model_validator(mode="after")
     def _unsupported(self):
-        if self.response_format not in (None, {"type": "text"}):
-            raise InvalidRequestError("response_format other than {'type': 'text'} is not supported",
-                                      "response_format")
         if self.tools is not None:
             raise InvalidRequestError("tools is not supported by this server", "tools")
         if self.top_logprobs is not None and not self.logprobs:
@@ -153,6 +206,22 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def _response_format(response_format: dict) -> dict:
+    """StructuredOutputsParams' constraint of OpenAI's response_format: {"type": "json_object"}, or {"type":
+    "json_schema", "json_schema": {"name": ..., "schema": {...}}}."""
+    kind = response_format.get("type")
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise InvalidRequestError("response_format of type json_schema needs json_schema.schema, a JSON schema "
+                                      "object", "response_format")
+        return {"json": spec["schema"]}
+    raise InvalidRequestError(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                              "response_format")
 
 
 class TokenizeRequest(BaseModel):

@@ -1,0 +1,128 @@
+"""Structured outputs (SamplingParams.structured_outputs) with xgrammar, the backend vLLM uses by default.
+
+A request's constraint is compiled into a grammar over the model's vocabulary once per distinct constraint (the
+compiled grammars are cached), and the request gets its own matcher. Before a step, the engine fills one row of a
+token bitmask per constrained request that samples in it (the tokens its grammar allows next); the runner applies
+the batch's bitmask to the logits in one step before sampling; the engine then advances each matcher by the token
+sampled. A preempted request keeps its output tokens (it is recomputed, not resampled), so its matcher stays where
+it was and needs no rollback. A request whose grammar is complete and that may not end with a stop token (no
+stop tokens: ignore_eos) finishes there.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+
+import torch
+import xgrammar as xgr
+
+from mini_infer.errors import InvalidRequestError
+from mini_infer.sampling_params import StructuredOutputsParams
+
+MAX_CACHED_GRAMMARS = 256
+
+
+class GrammarCompiler:
+    """Compiles constraints into xgrammar grammars for one tokenizer and vocabulary, caching them by constraint.
+    Thread-safe: a server compiles on worker threads while the engine thread builds matchers."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: frozenset[int]) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._stop_token_ids = sorted(stop_token_ids)
+        self._compiler: xgr.GrammarCompiler | None = None  # built on first use (reading the vocabulary takes ~1 s)
+        self._cache: OrderedDict[tuple, xgr.CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self.num_compiled = 0  # compilations so far (cache misses)
+
+    def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        """The compiled grammar of `params` (InvalidRequestError naming structured_outputs if it cannot be)."""
+        if self._tokenizer is None:
+            raise InvalidRequestError("structured outputs need a tokenizer; this model directory has none",
+                                      "structured_outputs")
+        key = _key(params)
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                return compiled
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self._stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        compiled = self._compile(params)
+        with self._lock:
+            self.num_compiled += 1
+            self._cache[key] = compiled
+            while len(self._cache) > MAX_CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        kind, any_whitespace = params.kind, not params.disable_any_whitespace
+        try:
+            if kind == "json":
+                schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
+                return self._compiler.compile_json_schema(schema, any_whitespace=any_whitespace)
+            if kind == "json_object":
+                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
+            if kind == "regex":
+                return self._compiler.compile_regex(params.regex)
+            if kind == "choice":  # JSON's string escapes are the grammar's too
+                return self._compiler.compile_grammar(
+                    "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in params.choice))
+            return self._compiler.compile_grammar(params.grammar)
+        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's errors for a schema, regex or grammar
+            # Its first line without the "[time] file.cc:line: " of xgrammar's C++ checks.
+            reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e).strip().split("\n")[0]) or type(e).__name__
+            raise InvalidRequestError(f"structured_outputs: the {kind} constraint cannot be compiled: {reason}",
+                                      "structured_outputs") from None
+
+    def matcher(self, params: StructuredOutputsParams, stop_token_ids: tuple[int, ...]) -> Grammar:
+        """A fresh matcher for one request; it may end on `stop_token_ids` once its grammar is complete (with none,
+        it terminates when the grammar is complete)."""
+        compiled = self.compile(params)
+        if stop_token_ids:
+            matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(set(stop_token_ids)))
+        else:
+            matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        return Grammar(matcher)
+
+
+class Grammar:
+    """One request's place in its grammar."""
+
+    __slots__ = ("_matcher",)
+
+    def __init__(self, matcher: xgr.GrammarMatcher) -> None:
+        self._matcher = matcher
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Row `row` of `bitmask` := the tokens the grammar allows next."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by a sampled token; False if the grammar does not allow it (the mask was not applied)."""
+        return self._matcher.accept_token(token_id)
+
+    @property
+    def terminated(self) -> bool:
+        return self._matcher.is_terminated()
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """An int32 bitmask [rows, ceil(vocab / 32)] allowing every token: bit j of word w allows token 32 w + j."""
+    return xgr.allocate_token_bitmask(rows, vocab_size)
+
+
+def _key(params: StructuredOutputsParams) -> tuple:
+    kind = params.kind
+    value = getattr(params, kind)
+    if kind == "json" and isinstance(value, dict):
+        value = json.dumps(value, sort_keys=True)
+    elif kind == "choice":
+        value = tuple(value)
+    return kind, value, params.disable_any_whitespace
