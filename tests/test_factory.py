@@ -269,3 +269,10 @@ def test_ensure_default_model_writes_once(module_cache, monkeypatch):
     assert len(messages) == 1 and str(path) in messages[0] and "random" in messages[0].lower()
     assert ensure_default_model(log=messages.append) == path
     assert written == ["qwen2.5-0.5b"] and len(messages) == 1
+    # A default model written by an earlier mini-infer (its chat template without tools) gets today's template.
+    config_path = path / "tokenizer_config.json"
+    old = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**old, "chat_template": "{{ messages[0]['content'] }}"}))
+    assert ensure_default_model(log=messages.append) == path
+    assert json.loads(config_path.read_text()) == old and "chat template" in messages[-1]
+    assert written == ["qwen2.5-0.5b"] and len(messages) == 2

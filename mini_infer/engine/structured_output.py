@@ -6,7 +6,7 @@ token bitmask per constrained request that samples in it (the tokens its grammar
 the batch's bitmask to the logits in one step before sampling; the engine then advances each matcher by the token
 sampled. A preempted request keeps its output tokens (it is recomputed, not resampled), so its matcher stays where
 it was and needs no rollback. A request whose grammar is complete and that may not end with a stop token (no
-stop tokens: ignore_eos) finishes there.
+stop tokens: ignore_eos) finishes there. xgrammar is imported with the first constraint (it takes seconds).
 """
 
 from __future__ import annotations
@@ -16,11 +16,15 @@ import re
 import threading
 from collections import OrderedDict
 
+from typing import TYPE_CHECKING
+
 import torch
-import xgrammar as xgr
 
 from mini_infer.errors import InvalidRequestError
 from mini_infer.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 MAX_CACHED_GRAMMARS = 256
 
@@ -50,6 +54,8 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return compiled
             if self._compiler is None:
+                import xgrammar as xgr
+
                 info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
                                                           stop_token_ids=self._stop_token_ids)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
@@ -84,6 +90,8 @@ class GrammarCompiler:
     def matcher(self, params: StructuredOutputsParams, stop_token_ids: tuple[int, ...]) -> Grammar:
         """A fresh matcher for one request; it may end on `stop_token_ids` once its grammar is complete (with none,
         it terminates when the grammar is complete)."""
+        import xgrammar as xgr
+
         compiled = self.compile(params)
         if stop_token_ids:
             matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(set(stop_token_ids)))
@@ -115,7 +123,7 @@ class Grammar:
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     """An int32 bitmask [rows, ceil(vocab / 32)] allowing every token: bit j of word w allows token 32 w + j."""
-    return xgr.allocate_token_bitmask(rows, vocab_size)
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
 def _key(params: StructuredOutputsParams) -> tuple:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from mini_infer.factory.tokenizer import write_tokenizer
+from mini_infer.factory.tokenizer import refresh_tokenizer_config, write_tokenizer
 from mini_infer.paths import cache_dir
 
 _QWEN25_05B = {
@@ -296,6 +296,8 @@ def ensure_default_model(log: Callable[[str], None] = _print_to_stderr) -> Path:
     path = default_model_dir()
     # make_model renames a finished dir into place, so config.json means the model is complete.
     if (path / "config.json").is_file():
+        if refresh_tokenizer_config(path):
+            log(f"mini-infer: updated the chat template of {path} (it now renders tools)")
         return path
     log(f"mini-infer: writing a Qwen2.5-0.5B checkpoint with RANDOM weights to {path} (first use only)")
     try:

@@ -54,14 +54,40 @@ ADDED_TOKENS = SPECIAL_TOKENS + CONTROL_TOKENS
 
 DEFAULT_SYSTEM_PROMPT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 
-# Renders Qwen2.5-Instruct's ChatML for plain role/content messages. Tool definitions and tool
-# calls are out of scope for mini-infer, so this template does not render them.
+# Qwen2.5-Instruct's ChatML, in our own words where it has prose: with `tools`, the system turn lists their
+# signatures inside <tools></tools> and asks for calls as {"name": ..., "arguments": {...}} inside
+# <tool_call></tool_call>; an assistant turn's tool_calls are rendered in that form and `tool` messages go back as a
+# user turn of <tool_response></tool_response> blocks (consecutive ones in one turn), as Qwen2.5 was trained to read.
 CHAT_TEMPLATE = (
-    "{%- if not messages or messages[0]['role'] != 'system' -%}"
-    "{{- '<|im_start|>system\\n" + DEFAULT_SYSTEM_PROMPT + "<|im_end|>\\n' -}}"
+    "{%- set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' "
+    "else '" + DEFAULT_SYSTEM_PROMPT + "' -%}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' ~ system ~ '\\n\\n# Tools\\n\\nYou can call the functions whose signatures "
+    "are listed inside <tools></tools>:\\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\\n' ~ (tool | tojson) -}}{%- endfor -%}"
+    "{{- '\\n</tools>\\n\\nTo call one, answer with its name and arguments as a JSON object inside "
+    "<tool_call></tool_call> tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' -}}"
+    "{%- elif not messages or messages[0]['role'] != 'system' -%}"
+    "{{- '<|im_start|>system\\n' ~ system ~ '<|im_end|>\\n' -}}"
     "{%- endif -%}"
     "{%- for message in messages -%}"
-    "{{- '<|im_start|>' ~ message['role'] ~ '\\n' ~ message['content'] ~ '<|im_end|>\\n' -}}"
+    "{%- if message['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' ~ (message['content'] or '') ~ '\\n</tool_response>' -}}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] -%}"
+    "{{- '<|im_start|>assistant\\n' ~ (message['content'] or '') -}}"
+    "{%- for call in message['tool_calls'] -%}"
+    "{%- set function = call['function'] if call['function'] is defined else call -%}"
+    "{%- if message['content'] or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
+    "{{- '<tool_call>\\n{\"name\": \"' ~ function['name'] ~ '\", \"arguments\": ' ~ "
+    "(function['arguments'] | tojson) ~ '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- elif not (tools and loop.first and message['role'] == 'system') -%}"
+    "{{- '<|im_start|>' ~ message['role'] ~ '\\n' ~ (message['content'] or '') ~ '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}"
     "{{- '<|im_start|>assistant\\n' -}}"
@@ -185,5 +211,21 @@ def write_tokenizer(out_dir: str | os.PathLike) -> None:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "tokenizer.json").write_bytes(cached_tokenizer_json().read_bytes())
+    _write_tokenizer_config(out_dir)
+
+
+def refresh_tokenizer_config(model_dir: Path) -> bool:
+    """Rewrite a checkpoint's tokenizer_config.json if an earlier mini-infer wrote another chat template (the
+    template grew tool calls); True if it did."""
+    path = model_dir / "tokenizer_config.json"
+    if json.loads(path.read_text(encoding="utf-8")).get("chat_template") == CHAT_TEMPLATE:
+        return False
+    _write_tokenizer_config(model_dir)
+    return True
+
+
+def _write_tokenizer_config(out_dir: Path) -> None:
     config_text = json.dumps(tokenizer_config(), indent=2, ensure_ascii=False) + "\n"
-    (out_dir / "tokenizer_config.json").write_text(config_text, encoding="utf-8")
+    staging = out_dir / f".tokenizer_config.json.{os.getpid()}"
+    staging.write_text(config_text, encoding="utf-8")
+    staging.replace(out_dir / "tokenizer_config.json")  # whole, for a reader at the same time

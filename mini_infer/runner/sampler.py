@@ -23,7 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import xgrammar as xgr
 
 from mini_infer.runner.penalties import Penalties
 from mini_infer.runner.plan import GrammarBitmask, NewRequest
@@ -295,6 +294,8 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor, 
     """-inf, in place, on the tokens that the rows `rows` of `logits` [R, vocab] may not take (bitmask [R, words],
     rows aligned with the logits'): one call of xgrammar's vectorised kernel; float64 logits take it through a
     float32 mask of 0 and -inf, added."""
+    import xgrammar as xgr  # here: only a request with structured outputs needs it (the engine imported it then)
+
     if logits.dtype == torch.float32:
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=rows)
         return logits

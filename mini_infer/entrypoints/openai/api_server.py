@@ -182,18 +182,29 @@ class _Server:
         return await self._generate(request, req, req.prompt, params, CompletionChoices(text, tokenizer.decode))
 
     async def chat_completion(self, request: Request, req: ChatCompletionRequest):
-        prompt = self._render_chat(req.messages, req.add_generation_prompt)
+        prompt = self._render_chat(req.messages, req.add_generation_prompt, req.tools)
         params = self._sampling_params(req, req.requested_max_tokens, req.requested_logprobs)
-        return await self._generate(request, req, prompt, params, ChatChoices(req.top_logprobs or 0))
+        tool_choice = req.parsed_tool_choice
+        return await self._generate(request, req, prompt, params, ChatChoices(
+            req.top_logprobs or 0, tool_choice if tool_choice.mode != "none" else None))
 
-    def _render_chat(self, messages, add_generation_prompt: bool) -> str:
-        """The messages as the model's chat template renders them (a 400 naming messages where it cannot)."""
+    def _render_chat(self, messages, add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
+        """The messages (and tools) as the model's chat template renders them (a 400 naming messages where it
+        cannot, or tools where it leaves them out)."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
         rendered = [m.for_template() for m in messages]
         try:
-            return tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=add_generation_prompt)
+            text = tokenizer.apply_chat_template(rendered, tools=tools, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
+            if tools and text == tokenizer.apply_chat_template(rendered, tokenize=False,
+                                                               add_generation_prompt=add_generation_prompt):
+                raise APIError(400, "this model's chat template does not render tools, so the model would not see "
+                                    "them", "tools")
+            return text
+        except APIError:
+            raise
         except Exception as e:  # noqa: BLE001 - the template's own error, reported to the caller
             raise APIError(400, f"the chat template could not render these messages: {e}", "messages") from None
 
@@ -274,7 +285,8 @@ async def _events(outputs, first: RequestOutput, chunk: dict, include_usage: boo
                 continue
             choice = choices.choice(index, completion.text, completion.logprobs, completion.finish_reason,
                                     completion.stop_reason, streaming=True)
-            yield _sse({**chunk, "choices": [choice], **usage})
+            if choice is not None:
+                yield _sse({**chunk, "choices": [choice], **usage})
     if include_usage:
         yield _sse({**chunk, "choices": [], "usage": usage_body(len(first.prompt_token_ids), num_tokens)})
     yield "data: [DONE]\n\n"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mini_infer.entrypoints.openai.tools import ToolChoice, ToolStream, merge
 from mini_infer.outputs import Logprob
 
 
@@ -20,7 +21,8 @@ class Choices:
         """An output's prompt token ids and prompt logprobs (the completions endpoint's echo uses them)."""
 
     def choice(self, index: int, text: str, logprobs: list[dict] | None, finish_reason: str | None, stop_reason,
-               streaming: bool) -> dict:
+               streaming: bool) -> dict | None:
+        """The choice (streaming: its delta, or None when this text gives nothing out yet)."""
         raise NotImplementedError
 
 
@@ -57,18 +59,43 @@ class CompletionChoices(Choices):
 class ChatChoices(Choices):
     id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, top_logprobs: int) -> None:
+    def __init__(self, top_logprobs: int, tool_choice: ToolChoice | None = None) -> None:
+        """tool_choice: how to read tool calls out of the text (None: the text is the content)."""
         self.top_logprobs = top_logprobs
+        self.tool_choice = tool_choice
+        self.tool_streams: dict[int, ToolStream] = {}  # a streamed choice's parser, by index
 
     def opening(self, index):
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None}
 
     def choice(self, index, text, logprobs, finish_reason, stop_reason, streaming):
-        body = ({"delta": {"content": text} if text else {}} if streaming
-                else {"message": {"role": "assistant", "content": text}})
-        return {"index": index, **body, "logprobs": _chat_logprobs(logprobs, self.top_logprobs) if logprobs else None,
-                "finish_reason": finish_reason, "stop_reason": stop_reason}
+        shaped = _chat_logprobs(logprobs, self.top_logprobs) if logprobs else None
+        if self.tool_choice is None:
+            body = ({"delta": {"content": text} if text else {}} if streaming
+                    else {"message": {"role": "assistant", "content": text}})
+            return {"index": index, **body, "logprobs": shaped, "finish_reason": finish_reason,
+                    "stop_reason": stop_reason}
+        stream = self.tool_streams.setdefault(index, ToolStream(self.tool_choice)) if streaming else ToolStream(
+            self.tool_choice)
+        deltas = stream.feed(text, final=finish_reason is not None or not streaming)
+        if finish_reason is not None:
+            finish_reason = stream.finish_reason or finish_reason
+        if not streaming:
+            content, calls = merge(deltas)
+            return {"index": index, "message": {"role": "assistant", "content": content, "tool_calls": calls},
+                    "logprobs": shaped, "finish_reason": finish_reason, "stop_reason": stop_reason}
+        if not (deltas or shaped or finish_reason):
+            return None
+        delta = {}
+        for piece in deltas:  # one chunk's deltas as one: its content joined, its tool-call pieces in order
+            if "content" in piece:
+                delta["content"] = delta.get("content", "") + piece["content"]
+            delta.setdefault("tool_calls", []).extend(piece.get("tool_calls", ()))
+        if not delta.get("tool_calls"):
+            delta.pop("tool_calls", None)
+        return {"index": index, "delta": delta, "logprobs": shaped, "finish_reason": finish_reason,
+                "stop_reason": stop_reason}
 
 
 def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -8,11 +8,13 @@ anything but their default; unknown fields are ignored, as OpenAI's and vLLM's s
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mini_infer.engine.input_processor import check_text
+from mini_infer.entrypoints.openai.tools import (ToolChoice, check_tools, parse_tool_choice, tool_calls_as_objects,
+                                                 tool_choice_constraint)
 from mini_infer.errors import InvalidRequestError
 from mini_infer.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -178,7 +180,7 @@ class ChatMessage(BaseModel):
                 check_text(part["text"], "messages")
                 texts.append(part["text"])
             message["content"] = "".join(texts)
-        return message
+        return tool_calls_as_objects(message)
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -188,16 +190,32 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True  # vLLM's extra field
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none"] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # none, auto, required or {"type": "function", ...}
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
-    def _unsupported(self):
-        if self.tools is not None:
-            raise InvalidRequestError("tools is not supported by this server", "tools")
+    def _checks_of_chat(self):
+        self.parsed_tool_choice  # noqa: B018 - tools and tool_choice refused here if malformed
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs set to true", "top_logprobs")
         return self
+
+    @property
+    def parsed_tool_choice(self) -> ToolChoice:
+        return parse_tool_choice(self.tool_choice, check_tools(self.tools) if self.tools is not None else None)
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """A required or named tool_choice's grammar, or the request's own constraint (not both)."""
+        constraint = tool_choice_constraint(self.parsed_tool_choice, self.tools, self.parallel_tool_calls)
+        if constraint is None:
+            return super().structured_outputs_params()
+        if self.structured_outputs_field is not None:
+            raise InvalidRequestError(f"tool_choice {self.tool_choice!r} constrains the output itself; it cannot be "
+                                      f"combined with {self.structured_outputs_field}", "tool_choice")
+        # structured_outputs may still carry the option (as for response_format)
+        return replace(constraint, disable_any_whitespace=(self.structured_outputs or {}).get(
+            "disable_any_whitespace", False))
 
     @property
     def requested_max_tokens(self) -> int | None:
