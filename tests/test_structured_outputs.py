@@ -79,17 +79,36 @@ def _reference_mask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_bitmask_matches_a_per_row_reference(dtype):
-    vocab, num_rows = 200, 5
+def _native_mask_rows():
+    from mini_infer.kernels import fused
+    from mini_infer.kernels.build import KernelUnavailable
+    from mini_infer.kernels.cpu import native_function
+
+    try:
+        native_function("mask_rows")
+    except KernelUnavailable as e:
+        pytest.skip(f"native kernels unavailable here: {e}")
+    return fused.mask_rows
+
+
+@pytest.mark.parametrize("how, dtype", [("torch", torch.float32), ("torch", torch.float64),
+                                        ("native", torch.float32)])
+def test_bitmask_matches_a_per_row_reference(how, dtype):
+    vocab, num_rows = 203, 5  # a last word only partly in the vocabulary
     generator = torch.Generator().manual_seed(0)
     bitmask = torch.randint(-2**31, 2**31 - 1, (num_rows, (vocab + 31) // 32), dtype=torch.int32,
                             generator=generator)
-    logits = torch.randn(num_rows, vocab, dtype=dtype, generator=generator)
+    bitmask[2, 1] = -1  # a word allowing all 32 tokens, one allowing none
+    bitmask[2, 3] = 0
+    wide = torch.randn(num_rows, vocab + 13, dtype=dtype, generator=generator)
+    logits = wide[:, :vocab]  # rows that are slices of wider ones, as the model's padded logits
     rows = [0, 2, 3]  # rows 1 and 4 unconstrained: untouched whatever their bitmask rows hold
     expected = _reference_mask(logits, rows, bitmask, vocab)
-    assert torch.equal(apply_bitmask(logits.clone(), rows, bitmask, vocab), expected)
+    apply = apply_bitmask if how == "torch" else _native_mask_rows()
+    apply(logits, rows, bitmask)
+    assert torch.equal(logits, expected)
     assert torch.isinf(expected[rows]).any() and not torch.isinf(expected[[1, 4]]).any()
+    assert not torch.isinf(wide[:, vocab:]).any()  # nothing past the slice
 
 
 def test_every_output_of_a_mixed_batch_is_valid_and_unconstrained_rows_keep_their_tokens(llm):

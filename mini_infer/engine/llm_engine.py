@@ -115,7 +115,9 @@ class LLMEngine:
                           max_tokens=max_tokens, eos_token_ids=frozenset() if params.ignore_eos
                           else self.processor.eos_token_ids, detokenizer=detokenizer, index=index, group_id=group_id)
         if params.structured_outputs is not None:
-            request.grammar = self.processor.grammars.matcher(params.structured_outputs, request.stop_token_ids)
+            # It may end on the model's EOS even with ignore_eos: a grammar that has ended ends its request.
+            request.grammar = self.processor.grammars.matcher(
+                params.structured_outputs, (*self.processor.eos_token_ids, *params.stop_token_ids))
             self._constrained.add(request_id)
         return request
 
@@ -245,8 +247,9 @@ class LLMEngine:
         return outputs
 
     def _advance_grammar(self, request: Request, token_id: int) -> bool:
-        """Move the request's matcher past its new token; True when that ends it (the grammar is complete and
-        cannot end on a stop token: it has none, with ignore_eos)."""
+        """Move the request's matcher past its new token; True when that ends the request where check_stop would not
+        (its grammar ended on a stop token that ignore_eos does not stop on, or on its last token where the model has
+        no stop token)."""
         if not request.grammar.accept(token_id):
             # Only possible when a min_tokens mask removed every token the grammar allowed (its stop tokens).
             logger.error("request %s: token %d is outside its structured-output grammar; the request stops",

@@ -5,8 +5,8 @@ compiled grammars are cached), and the request gets its own matcher. Before a st
 token bitmask per constrained request that samples in it (the tokens its grammar allows next); the runner applies
 the batch's bitmask to the logits in one step before sampling; the engine then advances each matcher by the token
 sampled. A preempted request keeps its output tokens (it is recomputed, not resampled), so its matcher stays where
-it was and needs no rollback. A request whose grammar is complete and that may not end with a stop token (no
-stop tokens: ignore_eos) finishes there. xgrammar is imported with the first constraint (it takes seconds).
+it was and needs no rollback. A complete grammar allows only the model's stop tokens next, even with ignore_eos: a
+request whose grammar has ended finishes. xgrammar is imported with the first constraint (it takes seconds).
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ class GrammarCompiler:
                                       "structured_outputs") from None
 
     def matcher(self, params: StructuredOutputsParams, stop_token_ids: tuple[int, ...]) -> Grammar:
-        """A fresh matcher for one request; it may end on `stop_token_ids` once its grammar is complete (with none,
-        it terminates when the grammar is complete)."""
+        """A fresh matcher for one request; it may end on `stop_token_ids` once its grammar is complete (a model with
+        none: it terminates when the grammar is complete)."""
         import xgrammar as xgr
 
         compiled = self.compile(params)

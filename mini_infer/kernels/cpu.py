@@ -82,6 +82,8 @@ _KERNELS = {
                            ("avx2", "fma")),
     "top_k_rows": _Kernel("cpu_fused.cpp", "top_k_rows", [_P, _I, _I, _I, ctypes.c_int64, _P, _I, _P, _P, _I, _P, _P,
                                                           _I], _I, _FUSED, ("avx2", "fma")),
+    "mask_rows": _Kernel("cpu_fused.cpp", "mask_rows", [_P, ctypes.c_int64, _I, _P, _I, _P, _I, _I], None, _FUSED,
+                         ("avx2", "fma")),
     # kernels/decoder.py: a decode step's layers in one call, through the kernels above (their addresses passed in).
     "decode_layers": _Kernel("cpu_decoder.cpp", "decode_layers", [_P, _P, _I] + [_P] * 7 + [_I] * 3, _I, _BASE_FLAGS,
                              ()),
@@ -91,7 +93,7 @@ _KERNELS = {
 # The kernels that must build for cpu_kernels to run natively; the AVX-512 matmuls are extra paths where the CPU
 # has them (MATMUL_PATHS).
 _BASE = ("gemm", "paged_decode_attention", "paged_prefill_attention", "add_rms_norm", "silu_mul", "rope_kv_write",
-         "argmax_rows", "top_k_rows", "decode_layers", "shm_allreduce")
+         "argmax_rows", "top_k_rows", "mask_rows", "decode_layers", "shm_allreduce")
 
 
 @dataclass(frozen=True, slots=True)

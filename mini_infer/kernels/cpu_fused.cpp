@@ -378,3 +378,30 @@ extern "C" int top_k_rows(const void* x, int dtype, int R, int C, int64_t stride
     }
     return 0;
 }
+
+// Structured outputs: x float32 [R, C], rows `stride` apart; for each of the n rows rows[i], the tokens whose bit is
+// clear in bitmask row rows[i] (int32 words, `words` a row; bit j of word w is token 32 w + j) become -inf. A word of
+// all ones (32 tokens allowed) is skipped; the others set 8 lanes at a time from a byte of the word.
+extern "C" void mask_rows(float* x, int64_t stride, int C, const int64_t* rows, int n, const int32_t* bitmask,
+                          int words, int threads) {
+    const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256 forbidden = _mm256_set1_ps(-INFINITY);
+#pragma omp parallel for num_threads(threads) if (n > 1)
+    for (int i = 0; i < n; ++i) {
+        float* row = x + rows[i] * stride;
+        const uint32_t* mask = reinterpret_cast<const uint32_t*>(bitmask + rows[i] * words);
+        const int full = C / 32;
+        for (int w = 0; w < full; ++w) {
+            const uint32_t m = mask[w];
+            if (m == 0xFFFFFFFFu) continue;
+            for (int j = 0; j < 4; ++j) {
+                const __m256i byte = _mm256_set1_epi32(static_cast<int>((m >> (8 * j)) & 0xFF));
+                const __m256 keep = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(byte, bits), bits));
+                float* p = row + 32 * w + 8 * j;
+                _mm256_storeu_ps(p, _mm256_blendv_ps(forbidden, _mm256_loadu_ps(p), keep));
+            }
+        }
+        for (int c = 32 * full; c < C; ++c)
+            if (!((mask[c / 32] >> (c % 32)) & 1u)) row[c] = -INFINITY;
+    }
+}

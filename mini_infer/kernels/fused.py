@@ -154,3 +154,21 @@ def top_k(x: torch.Tensor, ks: torch.Tensor, edit_ids: torch.Tensor,
         raise ValueError(f"top_k: ks in [{int(ks.min())}, {k_max}] must be in [1, {width}], edit ids from {lowest} "
                          "must be >= 0")
     return values, ids
+
+
+def mask_rows(x: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
+    """Structured outputs' token bitmask, in place: in each row rows[i] of x [R, C] (float32, rows may be slices of
+    wider ones), the tokens whose bit is clear in bitmask[rows[i]] (int32 [R, >= ceil(C / 32)]; bit j of word w is
+    token 32 w + j) become -inf."""
+    rows_, width = x.shape if x.dim() == 2 else (0, 0)
+    if (x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1 or bitmask.dtype != torch.int32
+            or bitmask.dim() != 2 or bitmask.shape[0] != rows_ or bitmask.shape[1] * 32 < width
+            or not all(0 <= r < rows_ for r in rows)):
+        raise ValueError(f"mask_rows: x {tuple(x.shape)} {x.dtype} (strides {x.stride()}) must be float32 [R, C] "
+                         f"with contiguous rows, bitmask {tuple(bitmask.shape)} {bitmask.dtype} int32 [R, >= C / 32], "
+                         f"rows in [0, R)")
+    bitmask = bitmask.contiguous()
+    index = torch.tensor(rows, dtype=torch.int64)
+    cpu.native_function("mask_rows")(x.data_ptr(), x.stride(0), width, index.data_ptr(), len(rows),
+                                     bitmask.data_ptr(), bitmask.shape[1], torch.get_num_threads())
+    return x

@@ -115,6 +115,12 @@ class Ops:
         works on a copy of the logits with torch)."""
         return fused.top_k if self.native else None
 
+    @property
+    def mask_rows(self):
+        """The sampler's structured-output bitmask over float32 logits (fused.mask_rows) where the native kernels
+        run; None elsewhere (the sampler then unpacks the bits with torch)."""
+        return fused.mask_rows if self.native else None
+
     def rope_kv_write(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                       kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor,
                       num_heads: int) -> torch.Tensor:

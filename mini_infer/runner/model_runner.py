@@ -43,8 +43,8 @@ class ModelRunner:
         ]
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.max_blocks_per_seq,
                                       config.block_size)
-        self.sampler = Sampler(mc.vocab_size, device, config.seed, self.ops.argmax,
-                               self.ops.top_k) if comm.rank == 0 else None
+        self.sampler = Sampler(mc.vocab_size, device, config.seed, self.ops.argmax, self.ops.top_k,
+                               self.ops.mask_rows) if comm.rank == 0 else None
 
     def prepare(self, plan: StepPlan) -> StepInputs | None:
         """Apply the plan to the persistent batch (and the sampler's slots) and build the step's inputs (None

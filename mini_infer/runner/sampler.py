@@ -32,6 +32,9 @@ from mini_infer.sampling_params import SamplingParams
 # values [R, W]: entries to read instead) -> (values float32, ids) of each row's k largest, best first ([R, max k],
 # a shorter row padded with -inf), ties broken towards the lower id as argmax does.
 TopK = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# The runner's structured-output bitmask where its native kernels run: (logits float32 [R, V], rows, bitmask int32
+# [R, words]) -> the logits, the rows' forbidden tokens set to -inf in place.
+MaskRows = Callable[[torch.Tensor, list[int], torch.Tensor], torch.Tensor]
 
 # Per-slot parameter rows: name -> the value a request's SamplingParams gives it.
 _ROWS = {
@@ -74,10 +77,12 @@ def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, owners: list[tu
 
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device, seed: int,
-                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None, top_k: TopK | None = None) -> None:
+                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None, top_k: TopK | None = None,
+                 mask_rows: MaskRows | None = None) -> None:
         self.vocab_size = vocab_size
         self.argmax = argmax or (lambda x: x.argmax(dim=-1))  # rows [R, V] -> int64 [R]; the runner's may be native
         self.top_k = top_k
+        self.mask_rows = mask_rows
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._capacity = 0
@@ -177,7 +182,7 @@ class Sampler:
         work = logits[:, : self.vocab_size].to(torch.promote_types(logits.dtype, torch.float32), copy=edits)
         raw_logprobs = torch.log_softmax(work, dim=-1) if wants_logprobs else None
         if grammar is not None:
-            apply_bitmask(work, grammar.rows, grammar.bitmask, self.vocab_size)
+            self.apply_grammar(work, grammar)
         if biased:
             self.apply_logit_bias(work, slots)
         self.mask_stop_tokens_under_min(work, slots)
@@ -188,6 +193,12 @@ class Sampler:
         else:
             tokens = self._sample(work, slots, params)
         return SamplerOutput(tokens.tolist(), _gather_logprobs(raw_logprobs, tokens, params))
+
+    def apply_grammar(self, logits: torch.Tensor, grammar: GrammarBitmask) -> torch.Tensor:
+        """The structured-output bitmask, in place: natively over float32 logits where the runner has the kernel."""
+        if self.mask_rows is not None and logits.dtype == torch.float32:
+            return self.mask_rows(logits, grammar.rows, grammar.bitmask)
+        return apply_bitmask(logits, grammar.rows, grammar.bitmask)
 
     def apply_logit_bias(self, logits: torch.Tensor, slots: list[int]) -> torch.Tensor:
         """Each row's logit_bias added to its logits, in place, in one scatter."""
@@ -290,18 +301,18 @@ class Sampler:
         return u
 
 
-def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """-inf, in place, on the tokens that the rows `rows` of `logits` [R, vocab] may not take (bitmask [R, words],
-    rows aligned with the logits'): one call of xgrammar's vectorised kernel; float64 logits take it through a
-    float32 mask of 0 and -inf, added."""
-    import xgrammar as xgr  # here: only a request with structured outputs needs it (the engine imported it then)
+_BITS = torch.arange(32, dtype=torch.int32)
 
-    if logits.dtype == torch.float32:
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=rows)
-        return logits
-    mask = torch.zeros(len(rows), vocab_size, dtype=torch.float32, device=logits.device)
-    xgr.apply_token_bitmask_inplace(mask, bitmask[rows], vocab_size=vocab_size)
-    return logits.index_add_(0, torch.tensor(rows, device=logits.device), mask.to(logits.dtype))
+
+def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
+    """-inf, in place, on the tokens that the rows `rows` of `logits` [R, V] may not take (bitmask int32 [R, >= V / 32]
+    aligned with the logits' rows; bit j of word w allows token 32 w + j), with torch: the rows' bits unpacked at
+    once."""
+    index = torch.tensor(rows, device=logits.device)
+    words = bitmask[index].to(logits.device)
+    allowed = ((words[:, :, None] >> _BITS.to(logits.device)) & 1).view(len(rows), -1)[:, : logits.shape[1]]
+    logits[index] = logits[index].masked_fill_(allowed == 0, float("-inf"))
+    return logits
 
 
 # A row with top_p but no top_k looks for its nucleus among this many of its likeliest tokens before sorting all.
