@@ -66,6 +66,44 @@ def test_mixed_batch_with_preemption(model_dir):
     assert llm.engine.kv_cache.num_free_blocks == 24
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+def test_preemption_takes_the_whole_group(model_dir, chunked):
+    """Whenever a completion is preempted, every sibling running at that step goes with it in the same step (and
+    out of that step's plan); the tokens stay those of each seed run alone."""
+    model, path = model_dir
+    other = list(range(30, 60))
+    llm = LLM(str(path), dtype="float64", block_size=4, num_kv_blocks=24, enable_chunked_prefill=chunked,
+              **(dict(max_num_batched_tokens=16) if chunked else {}))
+    scheduler = llm.engine.scheduler
+    schedule, steps = scheduler.schedule, []
+
+    def recorded():
+        running = {r.request_id: r.group_id for r in scheduler.running}
+        plan = schedule()
+        steps.append((running, plan))
+        return plan
+
+    scheduler.schedule = recorded
+    outs = llm.generate([PROMPT, other, PROMPT], [replace(SAMPLED, n=3), GREEDY, replace(SAMPLED, n=2, seed=3)],
+                        use_tqdm=False)
+    grouped = 0
+    for running, plan in steps:
+        preempted = set(plan.preempted_ids)
+        assert not preempted & set(plan.request_ids)  # nothing preempted is computed in the step
+        for rid in preempted:
+            group = running.get(rid)
+            if group is not None:
+                grouped += 1
+                assert {r for r, g in running.items() if g == group} <= preempted, (rid, running, preempted)
+    assert grouped > 1  # groups were preempted (with more than one member)
+    assert [c.token_ids for c in outs[0].outputs] == [alone(path, PROMPT, replace(SAMPLED, seed=7 + i))
+                                                      for i in range(3)]
+    assert outs[1].outputs[0].token_ids == hf_greedy(model, other, 10)
+    assert [c.token_ids for c in outs[2].outputs] == [alone(path, PROMPT, replace(SAMPLED, seed=3 + i))
+                                                      for i in range(2)]
+    assert llm.engine.kv_cache.num_free_blocks == 24
+
+
 @pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA])
 def test_output_kinds_carry_every_completion_by_index(model_dir, kind):
     _, path = model_dir

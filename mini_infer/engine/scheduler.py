@@ -13,7 +13,9 @@ over several steps, and the running streams keep decoding meanwhile. A request s
 its last token.
 
 When a decode token finds no free block, the most recently admitted running request is preempted: its blocks are
-freed and it is recomputed later (from its cached prefix, if its blocks are still cached by then).
+freed and it is recomputed later (from its cached prefix, if its blocks are still cached by then). A completion of a
+request of n > 1 goes with its running siblings (taken out of the step if they were in it already): the group comes
+back whole, and its prompt's blocks, which the siblings share, are freed rather than kept for one of them.
 
 Each step's decision goes out as a StepPlan (plain data): a request's tokens, blocks and sampling parameters
 once, when it enters the runners' batch, then only what it gained since it last ran, and who left the batch.
@@ -125,23 +127,38 @@ class Scheduler:
 
     def _schedule_decode(self) -> StepPlan:
         output = StepPlan(is_prefill=False)
-        index = 0
-        while index < len(self.running):
-            request = self.running[index]
-            if self._grow_or_preempt(request, output):
+        for request in list(self.running):
+            # (one preempted in this loop, as a victim or a victim's sibling, is waiting again)
+            if request.status is RequestStatus.RUNNING and self._grow_or_preempt(request, output):
                 self._plan_add(output, request, 1)
-                index += 1
         return output
 
     def _grow_or_preempt(self, request: Request, output: StepPlan) -> bool:
-        """A slot for the request's next token, preempting the most recently admitted running requests until
-        there is one; False when the request itself had to go."""
+        """A slot for the request's next token, preempting the most recently admitted running requests (each with
+        its group) until there is one; False when the request itself had to go."""
         while not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + 1):
             victim = self.running.pop()
-            self._preempt(victim)
-            if victim is request:
+            group = [victim]
+            if victim.group_id is not None:
+                group += [r for r in self.running if r.group_id == victim.group_id]
+                self.running = [r for r in self.running if r.group_id != victim.group_id]
+            for member in group:
+                self._unplan(output, member)
+                self._preempt(member)
+            if request in group:
                 return False
         return True
+
+    def _unplan(self, plan: StepPlan, request: Request) -> None:
+        """Take a request this plan already scheduled back out of it (its group is being preempted)."""
+        rid = request.request_id
+        if rid not in plan.request_ids:
+            return
+        at = plan.request_ids.index(rid)
+        del plan.request_ids[at], plan.num_new_tokens[at]
+        plan.new_requests = [new for new in plan.new_requests if new.request_id != rid]
+        plan.new_token_ids.pop(rid, None)
+        plan.new_block_ids.pop(rid, None)
 
     # ---- chunked prefill ----
 
@@ -149,15 +166,14 @@ class Scheduler:
         output = StepPlan(is_prefill=False)
         budget = self.max_num_batched_tokens
         preempted_before = len(self._preempted)
-        index = 0
-        while index < len(self.running) and budget > 0:  # decode tokens first, in admission order
-            request = self.running[index]
-            if request.num_tokens - request.num_computed_tokens == 1:
-                if not self._grow_or_preempt(request, output):
-                    continue  # it was the last running request: the loop ends
+        for request in list(self.running):  # decode tokens first, in admission order
+            if budget <= 0:
+                break
+            if (request.status is RequestStatus.RUNNING and request.num_tokens - request.num_computed_tokens == 1
+                    and self._grow_or_preempt(request, output)):
                 self._plan_add(output, request, 1)
                 budget -= 1
-            index += 1
+        budget = self.max_num_batched_tokens - output.num_tokens  # a preempted group's planned tokens come back
         for request in self.running:  # then the prompts already being prefilled
             remaining = request.num_tokens - request.num_computed_tokens
             if remaining > 1 and budget > 0:
