@@ -159,6 +159,21 @@ def test_grammars_are_compiled_once_per_constraint(llm):
     assert first is again
 
 
+def test_the_grammar_cache_is_bounded_by_bytes(llm, monkeypatch):
+    from mini_infer.engine import structured_output
+
+    grammars = llm.engine.processor.grammars
+    monkeypatch.setattr(structured_output, "MAX_CACHE_BYTES", 1)  # room for the newest grammar only
+    first, second = StructuredOutputsParams(regex="a+b"), StructuredOutputsParams(regex="b+a")
+    grammars.compile(first)
+    grammars.compile(second)
+    before = grammars.num_compiled
+    grammars.compile(second)  # the newest stays
+    assert grammars.num_compiled == before
+    grammars.compile(first)  # evicted: compiled again
+    assert grammars.num_compiled == before + 1
+
+
 def test_preemption_leaves_a_constrained_request_as_it_was(tiny_model_dir):
     """A request preempted (recomputed) keeps its tokens and its matcher: the same greedy output as alone."""
     structured = StructuredOutputsParams(json=PERSON, disable_any_whitespace=True)
