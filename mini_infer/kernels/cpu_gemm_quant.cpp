@@ -35,7 +35,7 @@ namespace {
 
 enum DType : int { F32 = 0, BF16 = 1 };
 enum Bits : int { INT4 = 4, INT8 = 8 };
-enum Prefetch : int { NEAR = 0, FAR = 1 };  // as cpu_gemm_avx512.cpp's; the AVX2 build prefetches nothing
+enum Prefetch : int { NEAR = 0, FAR = 1 };  // as cpu_gemm_avx512.cpp's
 constexpr int PANEL = 16;
 constexpr int MAX_GROUP = 512;
 
@@ -99,12 +99,6 @@ inline void store_rounded(int16_t* dst, VF v, VF scale) {
     __m512i i = _mm512_cvtps_epi32(_mm512_mul_ps(v, scale));
     i = _mm512_min_epi32(_mm512_max_epi32(i, _mm512_set1_epi32(-32767)), _mm512_set1_epi32(32767));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(i));
-}
-// The weight stream ahead of a step's cache line.
-template <int PF>
-inline void prefetch(const void* p, int64_t step_bytes) {
-    if constexpr (PF == NEAR) _mm_prefetch(static_cast<const char*>(p) + 64 * step_bytes, _MM_HINT_T0);
-    else _mm_prefetch(static_cast<const char*>(p) + 2048 * step_bytes, _MM_HINT_T1);  // 128 KB: the next tile's
 }
 #else
 constexpr int LANES = 8;
@@ -174,9 +168,14 @@ inline void store_rounded(int16_t* dst, VF v, VF scale) {
     const __m128i packed = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), packed);
 }
-template <int PF>
-inline void prefetch(const void*, int64_t) {}
 #endif
+// The weight stream ahead of a step's cache line (every build: on a Zen 3 with AVX2 only, one row's int8 matmuls
+// streamed at 0.66-0.76 of the bf16 kernel's rate without it, 0.80-0.83 with NEAR and 0.78-0.85 with FAR).
+template <int PF>
+inline void prefetch(const void* p, int64_t step_bytes) {
+    if constexpr (PF == NEAR) _mm_prefetch(static_cast<const char*>(p) + 64 * step_bytes, _MM_HINT_T0);
+    else _mm_prefetch(static_cast<const char*>(p) + 2048 * step_bytes, _MM_HINT_T1);  // 128 KB: the next tile's
+}
 constexpr int L = PANEL / LANES;  // vectors per panel
 
 // Where a panel's parts lie in its run of bytes.
@@ -335,7 +334,7 @@ void run(const Problem& p, int threads) {
     else if (p.M == 2) run_groups<BITS, 2, 4, PF>(p, threads);
     else run_groups<BITS, 4, 2, PF>(p, threads);
 #else
-    if (p.M == 1) run_groups<BITS, 1, 2, PF>(p, threads);
+    if (p.M == 1) run_groups<BITS, 1, 4, PF>(p, threads);  // 4 panels: int8 0.78 -> 0.84 of bf16's rate on a Zen 3
     else run_groups<BITS, 2, 1, PF>(p, threads);
 #endif
 }

@@ -261,9 +261,9 @@ def torch_int4_linear(x: torch.Tensor, weight: TorchInt4Pack, bias: torch.Tensor
 
 # --- the native kernel -----------------------------------------------------------------------------------------
 
-# The native paths for quantised weights, named as the float ones (kernels/cpu.py): the AVX2 build (no prefetch),
-# the AVX-512BW and AVX512_VNNI builds with the weight stream prefetched NEAR (into L1) or FAR (into L2).
-QUANT_KERNELS = {"avx2": ("gemm_quant", 0), "avx512": ("gemm_quant_avx512", 0),
+# The native paths for quantised weights, named as the float ones (kernels/cpu.py): the AVX2, AVX-512BW and
+# AVX512_VNNI builds, each with the weight stream prefetched NEAR (into L1) or FAR (into L2).
+QUANT_KERNELS = {"avx2": ("gemm_quant", 0), "avx2/far": ("gemm_quant", 1), "avx512": ("gemm_quant_avx512", 0),
                  "avx512/far": ("gemm_quant_avx512", 1), "avx512_vnni": ("gemm_quant_vnni", 0),
                  "avx512_vnni/far": ("gemm_quant_vnni", 1)}
 
