@@ -190,8 +190,10 @@ class LLMEngine:
 
     def _grammar_bitmask(self, plan: StepPlan) -> GrammarBitmask | None:
         """The tokens each structured-output request that samples in this step may take (None if none samples)."""
-        sampling = [self.requests[rid] for rid, num_new in zip(plan.request_ids, plan.num_new_tokens)
-                    if self.requests[rid].num_computed_tokens + num_new >= self.requests[rid].num_tokens]
+        scheduled = ((self.requests[rid], num_new) for rid, num_new in zip(plan.request_ids, plan.num_new_tokens))
+        # In the sampled logits' order: the requests whose step computes their last token (as _process reads them).
+        sampling = [request for request, num_new in scheduled
+                    if request.num_computed_tokens + num_new >= request.num_tokens]
         rows = [row for row, request in enumerate(sampling) if request.grammar is not None]
         if not rows:
             return None
