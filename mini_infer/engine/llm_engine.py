@@ -6,11 +6,11 @@ of them reaches the scheduler, so the engine keeps serving everything else.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
-
-import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,6 +32,9 @@ from mini_infer.runner.model_runner import ModelRunner
 from mini_infer.runner.plan import GrammarBitmask, StepPlan
 from mini_infer.runner.sampler import SamplerOutput
 from mini_infer.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +96,11 @@ class LLMEngine:
             if rid in self.requests or rid in self.groups:
                 raise InvalidRequestError(f"request_id {rid!r} is already in use by an unfinished request",
                                           "request_id")
+        # Compiled (a cache hit: process() compiled it) once for the request, not once per child.
+        grammar = self.processor.grammars.compile(params.structured_outputs) if params.structured_outputs else None
         requests = [self._request(rid, text, token_ids, params if count == 1 else child_params(params, i),
-                                  max_tokens, i, request_id if count > 1 else None) for i, rid in enumerate(ids)]
+                                  max_tokens, i, request_id if count > 1 else None, grammar)
+                    for i, rid in enumerate(ids)]
         for request in requests:
             self.requests[request.request_id] = request
         if count > 1:
@@ -109,15 +115,16 @@ class LLMEngine:
             self.scheduler.add(request)
 
     def _request(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams,
-                 max_tokens: int, index: int, group_id: str | None) -> Request:
+                 max_tokens: int, index: int, group_id: str | None,
+                 grammar: xgr.CompiledGrammar | None) -> Request:
         detokenizer = IncrementalDetokenizer(self.tokenizer, params) if self.tokenizer is not None else None
         request = Request(request_id=request_id, prompt=text, prompt_token_ids=token_ids, params=params,
                           max_tokens=max_tokens, eos_token_ids=frozenset() if params.ignore_eos
                           else self.processor.eos_token_ids, detokenizer=detokenizer, index=index, group_id=group_id)
-        if params.structured_outputs is not None:
+        if grammar is not None:  # the request's compiled structured-output grammar
             # It may end on the model's EOS even with ignore_eos: a grammar that has ended ends its request.
             request.grammar = self.processor.grammars.matcher(
-                params.structured_outputs, (*self.processor.eos_token_ids, *params.stop_token_ids))
+                grammar, (*self.processor.eos_token_ids, *params.stop_token_ids))
             self._constrained.add(request_id)
         return request
 

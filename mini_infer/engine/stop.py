@@ -9,7 +9,7 @@ from mini_infer.engine.request import Request, RequestStatus
 
 def check_stop(request: Request, token_id: int, grammar_complete: bool = False) -> None:
     """After `token_id` was appended: update the request's text and set its status and stop reason if it is done
-    (grammar_complete: its structured-output grammar is complete and has no stop token to end on).
+    (grammar_complete: its structured-output grammar ended it where the stop tokens do not: LLMEngine._advance_grammar).
     (The sampler masks the stop token ids while fewer than min_tokens outputs exist: Request.stop_token_ids.)"""
     may_stop = request.num_output_tokens >= request.params.min_tokens
     status, reason = None, None

@@ -15,7 +15,6 @@ import json
 import re
 import threading
 from collections import OrderedDict
-
 from typing import TYPE_CHECKING
 
 import torch
@@ -90,12 +89,12 @@ class GrammarCompiler:
             raise InvalidRequestError(f"structured_outputs: the {kind} constraint cannot be compiled: {reason}",
                                       "structured_outputs") from None
 
-    def matcher(self, params: StructuredOutputsParams, stop_token_ids: tuple[int, ...]) -> Grammar:
-        """A fresh matcher for one request; it may end on `stop_token_ids` once its grammar is complete (a model with
-        none: it terminates when the grammar is complete)."""
+    @staticmethod
+    def matcher(compiled: xgr.CompiledGrammar, stop_token_ids: tuple[int, ...]) -> Grammar:
+        """A fresh matcher of a compiled grammar for one request; it may end on `stop_token_ids` once its grammar is
+        complete (a model with none: it terminates when the grammar is complete)."""
         import xgrammar as xgr
 
-        compiled = self.compile(params)
         if stop_token_ids:
             matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(set(stop_token_ids)))
         else:

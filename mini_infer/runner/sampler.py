@@ -4,11 +4,11 @@ Each slot of the persistent batch keeps its request's sampling parameters as ten
 requests, the tokens it has seen and its output-token counts (runner/penalties.py), updated as tokens arrive; a
 step gathers the rows of the requests it samples, so its host work is O(batch) whatever the context length.
 
-Order (as in vLLM): the structured-output bitmask (tokens a request's grammar forbids get -inf), logit_bias, min_tokens mask, penalties, greedy argmax; then temperature, min_p, top_k, top_p and a
-draw by inverse CDF from one uniform per row; requests with a seed draw it from their own generator, so their
-samples do not depend on the batch. top_k and top_p work on each row's likeliest tokens (torch.topk), not a sort of
-the whole vocabulary, unless the nucleus reaches past them. logit_bias is added in one scatter over the batch's
-biased entries.
+Order (as in vLLM): the structured-output bitmask (tokens a request's grammar forbids get -inf), logit_bias,
+min_tokens mask, penalties, greedy argmax; then temperature, min_p, top_k, top_p and a draw by inverse CDF from one
+uniform per row; requests with a seed draw it from their own generator, so their samples do not depend on the batch.
+top_k and top_p work on each row's likeliest tokens (torch.topk), not a sort of the whole vocabulary, unless the
+nucleus reaches past them. logit_bias is added in one scatter over the batch's biased entries.
 Where the runner gives it a top-k (its native kernel) and every row is greedy or has a top_k of at most CANDIDATES
 (the model's generation_config defaults have top_k 20), a step reads the logits once: penalties and min_tokens masks
 become sparse edits that the top-k reads in place of the logits at those ids, and temperature, min_p, top_p and the

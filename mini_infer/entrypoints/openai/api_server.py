@@ -198,15 +198,14 @@ class _Server:
         try:
             text = tokenizer.apply_chat_template(rendered, tools=tools, tokenize=False,
                                                  add_generation_prompt=add_generation_prompt)
-            if tools and text == tokenizer.apply_chat_template(rendered, tokenize=False,
-                                                               add_generation_prompt=add_generation_prompt):
-                raise APIError(400, "this model's chat template does not render tools, so the model would not see "
-                                    "them", "tools")
-            return text
-        except APIError:
-            raise
+            without_tools = None if not tools else tokenizer.apply_chat_template(
+                rendered, tokenize=False, add_generation_prompt=add_generation_prompt)
         except Exception as e:  # noqa: BLE001 - the template's own error, reported to the caller
             raise APIError(400, f"the chat template could not render these messages: {e}", "messages") from None
+        if text == without_tools:
+            raise APIError(400, "this model's chat template does not render tools, so the model would not see them",
+                           "tools")
+        return text
 
     # ---- vLLM's tokenizer endpoints ----
 
