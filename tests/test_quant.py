@@ -68,10 +68,10 @@ def test_unknown_method_is_refused():
         quant.quantize(torch.ones(4, 4), "int3", torch.float32)
 
 
-# M: 1-5 rows (the tile shapes and their remainders), more; N: whole and partial panels, groups with remainders;
-# K: whole groups and K padded up to the group (x reads zeros there).
-SHAPES = [(1, 7, 32), (1, 200, 64), (1, 130, 896), (2, 50, 96), (3, 33, 40), (4, 90, 128), (5, 17, 200), (9, 300, 70),
-          (16, 64, 256), (33, 48, 36)]
+# M: 1-7 rows (the tile shapes, 4-row tiles with each remainder), more; N: whole and partial panels, groups with
+# remainders; K: whole groups and K padded up to the group (x reads zeros there).
+SHAPES = [(1, 7, 32), (1, 200, 64), (1, 130, 896), (2, 50, 96), (3, 33, 40), (4, 90, 128), (5, 17, 200), (6, 40, 96),
+          (7, 21, 64), (9, 300, 70), (16, 64, 256), (33, 48, 36)]
 
 
 def reference_and_bound(x: torch.Tensor, qt: quant.QuantizedTensor, bias: torch.Tensor | None):
