@@ -343,11 +343,10 @@ void run(const Problem& p, int threads) {
     else run_groups<BITS, 4, 2, PF>(p, threads);
 #else
     if (p.M == 1) run_groups<BITS, 1, 4, PF>(p, threads);  // 4 panels: int8 0.78 -> 0.84 of bf16's rate on a Zen 3
-    // 4-row tiles from 4 rows (the float accumulators spill; each is touched once a group): on that Zen 3, the 0.5B
-    // shape's projections at 8 rows ran 1.23x (int8) and 1.21x (int4) as fast as with 2-row tiles, at 32 rows 1.07x
-    // and 1.21x.
-    else if (p.M >= 4) run_groups<BITS, 4, 1, PF>(p, threads);
-    else run_groups<BITS, 2, 1, PF>(p, threads);
+    // 4-row tiles, the rest in one tile of 1-3 rows (the float accumulators spill; each is touched once a group): on
+    // that Zen 3, the 0.5B shape's projections at 8 rows ran 1.23x (int8) and 1.21x (int4) as fast as with 2-row
+    // tiles, at 32 rows 1.07x and 1.21x, at 3 rows (one tile, not 2 + 1) 1.17x and 1.15x.
+    else run_groups<BITS, 4, 1, PF>(p, threads);
 #endif
 }
 
