@@ -3,12 +3,15 @@ per request, whatever its context length; the runner's persistent batch reproduc
 
 from __future__ import annotations
 
+import copy
 import io
 import pickle
 
 import pytest
+import torch
 
 from mini_infer import LLMEngine, SamplingParams
+from mini_infer.runner.input_batch import InputBatch, StepInputs
 from mini_infer.runner.plan import StepPlan
 
 PENALISED = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, repetition_penalty=1.1)
@@ -93,4 +96,38 @@ def test_the_persistent_batch_holds_every_request_s_tokens(engine):
         assert batch.block_table[slot, : len(blocks)].tolist() == blocks
     engine.abort_request(list(engine.requests))
     list(engine.run_until_done())
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+
+
+def test_the_decode_path_builds_the_same_inputs_as_the_general_one(tiny_model_dir, monkeypatch):
+    """Every step of one new token per request (no prompt logprobs) takes InputBatch's decode path: its inputs
+    equal, field by field and dtype by dtype, what the general path builds from a copy of the same batch, across
+    block boundaries (4-token blocks), finished requests and preemption (a KV pool too small for all of them)."""
+    original = InputBatch._prepare_any
+    compared = []
+
+    def checked(self, plan):
+        slot_list = [self.slots[rid] for rid in plan.request_ids]
+        if not (all(n == 1 for n in plan.num_new_tokens) and all(self.prompt_logprobs[s] is None for s in slot_list)):
+            return original(self, plan, slot_list)
+        twin = copy.deepcopy(self)
+        fast, general = self._prepare_decode(slot_list), original(twin, plan, slot_list)
+        for name in StepInputs.__slots__:
+            a, b = getattr(fast, name), getattr(general, name)
+            if isinstance(b, torch.Tensor):
+                assert a.dtype == b.dtype and torch.equal(a, b), name
+            else:
+                assert a == b, name
+        assert self.num_computed == twin.num_computed
+        compared.append(len(slot_list))
+        return fast
+
+    monkeypatch.setattr(InputBatch, "prepare", checked)
+    engine = LLMEngine.from_args(str(tiny_model_dir), dtype="float32", block_size=4, num_kv_blocks=24, max_num_seqs=6,
+                                 max_model_len=256, max_num_batched_tokens=64, enable_prefix_caching=False)
+    for i in range(6):
+        engine.add_request(str(i), [(13 * i + j) % 900 + 1 for j in range(5 + 7 * i)],
+                           SamplingParams(temperature=0.0, max_tokens=6 + 3 * i, ignore_eos=True))
+    list(engine.run_until_done())
+    assert engine.scheduler.num_preemptions > 0 and max(compared) > 1 and len(compared) > 20
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
