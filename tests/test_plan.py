@@ -108,7 +108,7 @@ def test_the_decode_path_builds_the_same_inputs_as_the_general_one(tiny_model_di
 
     def checked(self, plan):
         slot_list = [self.slots[rid] for rid in plan.request_ids]
-        if not (all(n == 1 for n in plan.num_new_tokens) and all(self.prompt_logprobs[s] is None for s in slot_list)):
+        if not self.decode_only(plan, slot_list):
             return original(self, plan, slot_list)
         twin = copy.deepcopy(self)
         fast, general = self._prepare_decode(slot_list), original(twin, plan, slot_list)
