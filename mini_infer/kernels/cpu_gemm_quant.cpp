@@ -185,8 +185,8 @@ constexpr int64_t NEAR_STEPS = 256;
 // the current tile's streams. On a Zen 4 (2 threads, every one-row int8 matmul of a 0.5B decode step, each build's
 // step timed against the bf16 kernel's in 30 rounds, the order shuffled each round, in a C++ harness): the
 // AVX512_VNNI build 1.78-1.79x the bf16 kernel's speed in three runs against 1.74-1.76x; the AVX2 build 1.66x and
-// 1.49x in two runs against 1.63x and 1.43x. Distances of 3-12 KB measured within 2 % of each other, into L1 (T0) 8 %
-// slower. NEAR: NEAR_STEPS steps ahead on the share, into L1.
+// 1.49x in two runs against 1.63x and 1.43x. Distances of 3-12 KB measured within 2-3 % of each other, into L1 (T0)
+// 10-14 % slower (docs/BENCHMARKS.md, eighth part). NEAR: NEAR_STEPS steps ahead on the share, into L1.
 constexpr int64_t FAR_BYTES = 4096;
 // Only within the thread's share of the panels (`limit`: its end): past it, a prefetch fetched lines that this core
 // never reads. Clamped, the 0.5B shape's one-row int4 matmuls (the AVX512_VNNI build, FAR as then: 128 KB ahead, on
