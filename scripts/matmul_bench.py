@@ -5,14 +5,17 @@ memory as in a real step. Prints ms, GFLOP/s and GB/s per matmul kind for each r
     .venv/bin/python scripts/matmul_bench.py 1 8 16
 
 With --quantization, the same step's weights quantised (the LM head in its method's head format, as the engine
-does) run through each native quantised path given (--quant-paths, default: every one that runs here), each step
-of them right after a step of the bfloat16 kernel (--bf16-path), round after round: the machine's memory speed
-drifts within seconds, so each round's ratio compares neighbours, and the median of the rounds' ratios is printed.
+does) run through each native quantised path given (--quant-paths, default: every one that runs here): a round
+times one step of each and one of the bfloat16 kernel (--bf16-path), in an order shuffled every round (in a fixed
+order, the step right after bf16's measured a few % apart from the same step later in the round). The machine's
+memory speed drifts within seconds, so each round's ratio compares neighbours, and the median of the rounds' ratios
+is printed.
 
     .venv/bin/python scripts/matmul_bench.py 1 --quantization int8,int4 --rounds 15
 """
 
 import argparse
+import random
 import statistics
 import time
 
@@ -84,8 +87,10 @@ def quantised_steps(rows: list[int], methods: list[str], paths: list[str], bf16_
         for label in systems:  # warm-up
             step(label)
         times: dict[str, list[dict[str, float]]] = {label: [] for label in systems}
+        order, shuffle = list(systems), random.Random(0).shuffle
         for _ in range(rounds):
-            for label in systems:
+            shuffle(order)
+            for label in order:
                 times[label].append(step(label))
         base = next(iter(systems))
         header = "".join(f"{name:>9s}" for name in SHAPES)
