@@ -23,9 +23,7 @@ from pathlib import Path
 
 import torch
 
-from mini_infer.bench.kl import CHUNK, chunk_logprobs, text_tokens
-from mini_infer.config import EngineConfig
-from mini_infer.engine.llm_engine import LLMEngine
+from mini_infer.bench.kl import text_logprobs
 from mini_infer.factory.checkpoint import ensure_default_model
 from mini_infer.kernels import quant
 
@@ -116,13 +114,9 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     model = args.model or str(ensure_default_model())
-    tokens = text_tokens(model)
-    chunks = [tokens[i * CHUNK:(i + 1) * CHUNK] for i in range(len(tokens) // CHUNK)]
 
-    def logprobs(**settings) -> torch.Tensor:
-        engine = LLMEngine(EngineConfig(model=model, dtype="bfloat16", enable_prefix_caching=False,
-                                        num_kv_blocks=-(-CHUNK // 16) + 1, **settings))
-        return torch.cat([chunk_logprobs(engine, chunk).float() for chunk in chunks]).double()
+    def logprobs(**settings) -> torch.Tensor:  # held as float32 between schemes
+        return text_logprobs(model, "bfloat16", **settings).float().double()
 
     base = logprobs()
     rows = {}

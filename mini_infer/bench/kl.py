@@ -58,6 +58,24 @@ def chunk_logprobs(engine: LLMEngine, tokens: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits[:, :vocab].double(), dim=-1)
 
 
+def engine_settings(model_dir: str, dtype: str) -> dict:
+    """EngineConfig fields of an engine that runs one chunk at a time (chunk_logprobs)."""
+    return dict(model=model_dir, dtype=dtype, enable_prefix_caching=False, max_num_batched_tokens=CHUNK,
+                num_kv_blocks=CHUNK // 16 + 1)
+
+
+def text_logprobs(model_dir: str, dtype: str, **settings) -> torch.Tensor:
+    """chunk_logprobs of every whole chunk of the text, concatenated, from an engine of its own (`settings`: more
+    EngineConfig fields, quantization say)."""
+    tokens = text_tokens(model_dir)
+    engine = LLMEngine(EngineConfig(**engine_settings(model_dir, dtype), **settings))
+    try:
+        return torch.cat([chunk_logprobs(engine, tokens[c * CHUNK: (c + 1) * CHUNK])
+                          for c in range(len(tokens) // CHUNK)])
+    finally:
+        engine.shutdown()
+
+
 def divergence(base: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position: KL(base || other) and whether the argmaxes agree (first index on ties, as torch's argmax)."""
     return (base.exp() * (base - other)).sum(dim=-1), base.argmax(dim=-1) == other.argmax(dim=-1)
@@ -75,8 +93,7 @@ def run_kl(options: BenchOptions, model_dir: str, log: Callable[[str], None]) ->
                          "--systems mini-infer (and llama.cpp), or name mini-infer-int8, llama.cpp-q8_0 ...")
     systems = {}
     if ours:
-        settings = dict(model=model_dir, dtype=options.dtype, enable_prefix_caching=False,
-                        max_num_batched_tokens=CHUNK, num_kv_blocks=CHUNK // 16 + 1)
+        settings = engine_settings(model_dir, options.dtype)
         log(f"mini-infer: {options.dtype} and {', '.join(ours)} over {chunks} chunks of {CHUNK} tokens")
         engines = {None: LLMEngine(EngineConfig(**settings))}
         engines.update({name: LLMEngine(EngineConfig(**settings, quantization=QUANTIZED_SYSTEMS[name][1]))
