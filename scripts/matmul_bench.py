@@ -55,14 +55,16 @@ def quantised_steps(rows: list[int], methods: list[str], paths: list[str], bf16_
     dense = [(name, torch.randn(shape, dtype=torch.bfloat16) * 0.02)
              for name, shape in SHAPES.items() for _ in range(1 if name == "head" else LAYERS)]
     layout = cpu.weight_layout(bf16_path, torch.bfloat16)
-    systems = {f"bf16 {bf16_path}": [(name, cpu.pack_weight(w, layout)) for name, w in dense]}
+    # label -> (its matmul, its path, the step's (shape name, packed weight))
+    systems = {f"bf16 {bf16_path}": (cpu.linear, bf16_path,
+                                     [(name, cpu.pack_weight(w, layout)) for name, w in dense])}
     for method in methods:
         packed = []
         for name, w in dense:
             head = quant.HEAD_METHOD[method] if name == "head" else method
             packed.append((name, quant.pack_panels(quant.quantize(w, head, torch.bfloat16))))
         for path in paths:
-            systems[f"{method} {path}"] = packed
+            systems[f"{method} {path}"] = (quant.quant_linear, path, packed)
     del dense
 
     def bytes_of(weight) -> int:
@@ -72,15 +74,12 @@ def quantised_steps(rows: list[int], methods: list[str], paths: list[str], bf16_
         xs = {k: torch.randn(m, k, dtype=torch.bfloat16) for k in (896, 4864)}
 
         def step(label: str) -> dict[str, float]:
-            path = label.split(" ", 1)[1]
+            linear, path, weights = systems[label]
             seconds = dict.fromkeys(SHAPES, 0.0)
-            for name, weight in systems[label]:
+            for name, weight in weights:
                 x = xs[weight.in_features]
                 start = time.perf_counter()
-                if label.startswith("bf16"):
-                    cpu.linear(x, weight, path=path)
-                else:
-                    quant.quant_linear(x, weight, path=path)
+                linear(x, weight, path=path)
                 seconds[name] += time.perf_counter() - start
             return seconds
 
@@ -101,7 +100,7 @@ def quantised_steps(rows: list[int], methods: list[str], paths: list[str], bf16_
             per_shape = [statistics.median(s[name] for s in samples) for name in SHAPES]
             totals = [sum(s.values()) for s in samples]
             ratio = statistics.median(sum(b.values()) / t for b, t in zip(times[base], totals))
-            nbytes = sum(bytes_of(w) for _, w in systems[label])
+            nbytes = sum(bytes_of(w) for _, w in systems[label][2])
             step_s = statistics.median(totals)
             print(f"{label:24s}" + "".join(f"{v * 1e3:9.2f}" for v in per_shape)
                   + f" {step_s * 1e3:8.2f} {nbytes / step_s / 1e9:7.1f} {ratio:6.3f}x")
