@@ -13,20 +13,20 @@ The int8 x variants hand the matmul x already rounded (in float32; the kernel's 
 
     .venv/bin/python scripts/int8_activations_kl.py --out docs/benchmarks/int8-activations-zen4
 
-writes OUT.json and OUT.txt (the machine's CPU in both). Takes ~5 minutes on 2 cores.
+writes OUT.json (with bench.report.machine_info) and OUT.txt (the CPU named). Takes ~5 minutes on 2 cores.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from mini_infer.bench.kl import divergence, text_logprobs
+from mini_infer.bench.report import machine_info
 from mini_infer.factory.checkpoint import ensure_default_model
 from mini_infer.kernels import quant
 
@@ -79,9 +79,9 @@ def main() -> None:
         rows[name] = {"mean_kl": kl.mean().item(), "top1_same_pct": 100 * same.double().mean().item()}
         print(f"{name}: mean KL {rows[name]['mean_kl']:.6f}, same top-1 {rows[name]['top1_same_pct']:.2f} %",
               flush=True)
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    report = {"model": model, "positions": len(base), "cpu": cpu, "variants": rows}
+    machine = machine_info()
+    cpu = f"{machine['cpu_model']} (avx512_bf16: {'yes' if machine['cpu_flags']['avx512_bf16'] else 'no'})"
+    report = {"model": model, "positions": len(base), "machine": machine, "variants": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1))
