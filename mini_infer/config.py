@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -270,11 +271,17 @@ def resolve_dtype(dtype: str | torch.dtype, model_config: ModelConfig) -> torch.
 
 
 CPU_KERNEL_MODES = ("auto", "on", "off")  # what each means: mini_infer.model.ops
+# The GPU's Triton kernels (mini_infer.model.triton_ops): auto runs them on a CUDA device; on also runs them on the CPU
+# in Triton's interpreter (TRITON_INTERPRET=1: how the tests check the GPU path without a GPU); off runs torch ops.
+GPU_KERNEL_MODES = ("auto", "on", "off")
 QUANTIZATION_METHODS = ("int8", "int4")  # weight-only, quantised at load (mini_infer.kernels.quant)
 # Tokens per step with chunked prefill. Prefill is compute-bound: the 0.5B shape prefills ~140-190 tokens/s in
 # bfloat16 on the 2-core machines here (docs/BENCHMARKS.md), so a 512-token step holds the running streams up for
 # ~3 s; a smaller budget shortens that stall and batches less prompt work per weight read. Not tuned beyond that.
 DEFAULT_CHUNKED_BUDGET = 512
+# On a GPU a step's tokens cost little until they fill its matrix units, and every step costs a launch sequence:
+# 8192 (vLLM's default for serving) keeps a batch of long prompts to a few steps.
+DEFAULT_GPU_CHUNKED_BUDGET = 8192
 
 
 @dataclass(slots=True)
@@ -292,6 +299,10 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     cpu_kernels: str = "auto"  # auto, on or off (mini_infer.model.ops)
+    gpu_kernels: str = "auto"  # auto, on or off (GPU_KERNEL_MODES)
+    # Decode steps replay CUDA graphs captured per padded batch size (runner/graphs.py) where the Triton kernels run;
+    # True runs every step eagerly (vLLM's name).
+    enforce_eager: bool = False
     # None (the checkpoint's dtype, or its quantization_config's method), int8 or int4 (weight-only, quantised at
     # load), gptq or awq (a checkpoint quantised so).
     quantization: str | None = None
@@ -321,8 +332,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be in [1, {limit}] (the model's max_position_embeddings), "
                              f"got {self.max_model_len}")
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = (DEFAULT_CHUNKED_BUDGET if self.enable_chunked_prefill
-                                           else max(self.max_model_len, 2048))
+            budget = DEFAULT_GPU_CHUNKED_BUDGET if torch.device(self.device).type == "cuda" else DEFAULT_CHUNKED_BUDGET
+            self.max_num_batched_tokens = budget if self.enable_chunked_prefill else max(self.max_model_len, 2048)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         # Without chunked prefill a whole prompt (or a preempted request's recompute) is one step.
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
@@ -348,9 +359,24 @@ class EngineConfig:
                 raise ValueError("quantization 'int8' runs on mini-infer's native kernels only (torch has no group-wise "
                                  "int8 CPU matmul): it needs cpu_kernels 'auto' or 'on' and a bfloat16 or float32 "
                                  f"model, not cpu_kernels {self.cpu_kernels!r} with {self.torch_dtype}")
+        self._check_gpu_kernels()
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             _positive(name, getattr(self, name))
         _check_parallel_split(self.model_config, self.tensor_parallel_size, self.pipeline_parallel_size)
+
+    def _check_gpu_kernels(self) -> None:
+        if self.gpu_kernels not in GPU_KERNEL_MODES:
+            raise ValueError(f"gpu_kernels must be one of {', '.join(GPU_KERNEL_MODES)}, got {self.gpu_kernels!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+        if self.gpu_kernels != "on" or torch.device(self.device).type == "cuda":
+            return
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"gpu_kernels 'on' runs the Triton kernels on a CUDA device, or on the CPU only in "
+                             f"Triton's interpreter (TRITON_INTERPRET=1, for tests); device is {self.device!r}")
+        if self.cpu_kernels == "on" or self.quantization is not None:
+            raise ValueError("gpu_kernels 'on' on the CPU replaces the native CPU kernels: it takes neither "
+                             f"cpu_kernels 'on' nor quantization (got {self.cpu_kernels!r}, {self.quantization!r})")
 
     def _check_prequantized(self) -> None:
         """A GPTQ/AWQ checkpoint runs as quantised, on the native kernels, bfloat16 (for a float16 checkpoint under

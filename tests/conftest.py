@@ -12,6 +12,12 @@ import torch
 
 # The engine's device in the parity tests (the HF reference always runs on the CPU in float64).
 DEVICE = os.environ.get("MINI_INFER_TEST_DEVICE", "cpu")
+if DEVICE == "cpu":
+    # The GPU's Triton kernels run in Triton's interpreter on the CPU (gpu_kernels="on"); it must be chosen before
+    # any kernel is defined, that is before mini_infer.kernels.triton is first imported.
+    os.environ["TRITON_INTERPRET"] = "1"
+# gpu_kernels for the tests of the GPU path: "on" runs them in the interpreter here, "auto" on a CUDA device.
+GPU_KERNELS = "on" if DEVICE == "cpu" else "auto"
 
 PARITY_CONFIGS = {
     # tied head, a single KV head (4 query heads share it)

@@ -29,6 +29,8 @@ class EngineArgs:
     max_num_batched_tokens: int | None = _default("max_num_batched_tokens")
     max_model_len: int | None = _default("max_model_len")
     cpu_kernels: str = _default("cpu_kernels")
+    gpu_kernels: str = _default("gpu_kernels")
+    enforce_eager: bool = _default("enforce_eager")
     quantization: str | None = _default("quantization")
     enable_prefix_caching: bool = _default("enable_prefix_caching")
     enable_chunked_prefill: bool = _default("enable_chunked_prefill")
@@ -52,6 +54,11 @@ class EngineArgs:
         parser.add_argument("--cpu-kernels", default=_default("cpu_kernels"), choices=["auto", "on", "off"],
                             help="native CPU kernels for the matmuls and decode attention (auto: on for bf16/fp32 "
                                  "on the CPU when they build)")
+        parser.add_argument("--gpu-kernels", default=_default("gpu_kernels"), choices=["auto", "on", "off"],
+                            help="mini-infer's Triton kernels for attention and the fused small ops (auto: on a CUDA "
+                                 "device; on: also in Triton's interpreter on the CPU, for tests; off: torch ops)")
+        parser.add_argument("--enforce-eager", action="store_true",
+                            help="run every step eagerly: no CUDA graphs for decode steps (README: GPU)")
         parser.add_argument("--quantization", default=None,
                             choices=[*QUANTIZATION_METHODS, *CHECKPOINT_QUANTIZATION],
                             help="weight-only quantisation at load, of every projection and the LM head: int8 "
@@ -64,7 +71,7 @@ class EngineArgs:
         parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                             default=_default("enable_chunked_prefill"),
                             help="split prompts into chunks that share steps with decoding (default on; the step's "
-                                 "token budget is --max-num-batched-tokens, 512 by default)")
+                                 "token budget is --max-num-batched-tokens, by default 512 on the CPU, 8192 on a GPU)")
         parallel = parser.add_argument_group("parallelism (README: Scale-out)")
         parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=_default("tensor_parallel_size"),
                               help="ranks that split every layer (Megatron-style)")

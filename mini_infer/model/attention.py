@@ -22,12 +22,17 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_reqs, max_blocks] block ids per request (padding: any valid id)
     context_lens: torch.Tensor  # [num_reqs] tokens in the cache after this step, per request
     query_start_loc: list[int]  # num_reqs + 1 offsets of each request's tokens in the flat batch
-    context_lens_host: list[int]  # context_lens as Python ints (prefill walks requests one by one)
+    # context_lens as Python ints, where a step has prompt chunks (the torch and CPU prefill walk requests one by one)
+    context_lens_host: list[int] | None
     num_decodes: int  # the leading requests with a single query token
+    # Where a step has prompt chunks, for the GPU's prefill kernel: query_start_loc on the device, and the most
+    # tokens any request computes (it sizes the kernel's grid).
+    query_start: torch.Tensor | None = None
+    max_query_len: int = 1
 
     @property
     def num_reqs(self) -> int:
-        return len(self.context_lens_host)
+        return self.context_lens.shape[0]
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

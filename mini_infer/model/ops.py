@@ -13,18 +13,22 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mini_infer.config import CPU_KERNEL_MODES, QUANTIZATION_METHODS
+from mini_infer.config import CPU_KERNEL_MODES, QUANTIZATION_METHODS, EngineConfig
 from mini_infer.kernels import cpu, fused, quant
 from mini_infer.kernels.autotune import (BUCKETS, LinearTuner, bucket_index, last_level_cache_bytes, machine_key,
                                          timed_ms)
 from mini_infer.model.attention import AttentionMetadata, paged_attention, write_kv
 from mini_infer.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from mini_infer.profiling import profiled
+
+if TYPE_CHECKING:
+    from mini_infer.model.triton_ops import TritonOps
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +66,8 @@ class Ops:
     quant_tuners: dict[quant.Scheme, LinearTuner] = field(default_factory=dict)  # made on first use
     chosen: dict[str, list[str]] = field(default_factory=dict)  # per weight prepared (shape, scheme): its winners
     dtype: torch.dtype = torch.float32  # the model's (its activations')
+    graph_safe: bool = False  # a decode step reads tensors alone (the torch decode path's host lists aside, the CPU
+    # has no graphs to replay)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | cpu.PackedWeight | TunedWeight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -122,11 +128,14 @@ class Ops:
         return fused.mask_rows if self.native else None
 
     def rope_kv_write(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                      kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor,
-                      num_heads: int) -> torch.Tensor:
+                      kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor, num_heads: int,
+                      q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
         """qkv [T, (heads + 2 kv_heads) D] -> q [T, heads, D] rotated; k rotated and v stored at their cache slots
-        (with the native kernels in one pass, which the profile's kv_write range then covers)."""
+        (with the native kernels in one pass, which the profile's kv_write range then covers). Qwen3's q_norm and
+        k_norm, where given, normalise each head of q and k first (in place in qkv)."""
         k_cache, v_cache = kv_cache
+        if q_norm is not None:
+            self._norm_heads(qkv, q_norm, k_norm, num_heads, k_cache.shape[3])
         if self.native:
             with profiled("kv_write"):
                 return fused.rope_kv_write(qkv, positions, rotary.cos, rotary.sin, k_cache, v_cache, slot_mapping,
@@ -137,6 +146,13 @@ class Ops:
         with profiled("kv_write"):
             write_kv(k_cache, v_cache, k, v.view(num_tokens, kv_heads, head_dim), slot_mapping)
         return q
+
+    def _norm_heads(self, qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, num_heads: int, head_dim: int) -> None:
+        """q_norm over each query head and k_norm over each key head of qkv [T, q + 2 kv], in place."""
+        q_size, kv_size = num_heads * head_dim, (qkv.shape[1] - num_heads * head_dim) // 2
+        for norm, part in ((q_norm, slice(0, q_size)), (k_norm, slice(q_size, q_size + kv_size))):
+            heads = qkv[:, part].reshape(-1, head_dim)
+            qkv[:, part] = self.rms_norm(norm, heads)[0].view(qkv.shape[0], -1)
 
     def prepare(self, linear_weights: list[tuple[nn.Module, str]]) -> None:
         """Swap each named linear weight for the forms its matmuls run on: packed for the native kernels where they
@@ -200,6 +216,22 @@ class Ops:
         """What the autotuner chose per weight shape (and quantisation scheme) and bucket (None without one), for
         reports."""
         return dict(self.chosen) if self.tuner is not None else None
+
+
+def select_backend(config: EngineConfig, device: torch.device) -> Ops | TritonOps:
+    """The kernels a rank's model runs: the Triton backend where `gpu_kernels` picks it (a CUDA device under
+    "auto"; "on" also in Triton's interpreter on the CPU, for tests), else the CPU's (select_ops)."""
+    mode, dtype = config.gpu_kernels, config.torch_dtype
+    if mode == "on" or (mode == "auto" and device.type == "cuda"):
+        from mini_infer.model import triton_ops  # only here: triton loads where its kernels run
+
+        reason = triton_ops.unavailable_reason(dtype, device, config.model_config.head_dim)
+        if reason is None:
+            return triton_ops.triton_ops(dtype, device)
+        if mode == "on":
+            raise ValueError(f"gpu_kernels 'on' but {reason}")
+        return Ops(False, f"torch ops ({reason})", dtype=dtype)
+    return select_ops(config.cpu_kernels, dtype, device, config.quantization)
 
 
 def select_ops(mode: str, dtype: torch.dtype, device: str | torch.device, quantization: str | None = None) -> Ops:

@@ -33,7 +33,6 @@ class Qwen2Attention(nn.Module):
         self.num_kv_heads = shard.num_kv_heads
         self.head_dim = config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.split_sizes = (q_size, kv_size, kv_size)
         self.qkv_proj = empty_parameter(q_size + 2 * kv_size, config.hidden_size, dtype=dtype, device=device)
         self.qkv_bias = empty_parameter(q_size + 2 * kv_size, dtype=dtype, device=device)
         self.o_proj = empty_parameter(config.hidden_size, q_size, dtype=dtype, device=device)
@@ -46,19 +45,11 @@ class Qwen2Attention(nn.Module):
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.ops.linear(x, self.qkv_proj, self.qkv_bias)
-        if self.q_norm is not None:
-            self._norm_heads(qkv)
-        q = self.ops.rope_kv_write(qkv, positions, rotary, kv_cache, meta.slot_mapping, self.num_heads)
+        q = self.ops.rope_kv_write(qkv, positions, rotary, kv_cache, meta.slot_mapping, self.num_heads, self.q_norm,
+                                   self.k_norm)
         with profiled("attention"):
             out = self.ops.attention(q, *kv_cache, meta)
         return self.comm.all_reduce(self.ops.linear(out.reshape(num_tokens, -1), self.o_proj))
-
-    def _norm_heads(self, qkv: torch.Tensor) -> None:
-        """Qwen3: q_norm over each query head and k_norm over each key head of qkv [T, q + 2 kv], in place."""
-        q_size, kv_size, _ = self.split_sizes
-        for norm, part in ((self.q_norm, slice(0, q_size)), (self.k_norm, slice(q_size, q_size + kv_size))):
-            heads = qkv[:, part].reshape(-1, self.head_dim)
-            qkv[:, part] = self.ops.rms_norm(norm, heads)[0].view(qkv.shape[0], -1)
 
 
 class Qwen2DecoderLayer(nn.Module):
@@ -154,17 +145,30 @@ class Qwen2ForCausalLM(nn.Module):
         """Flat batch of new tokens (their ids on the first stage, the previous stage's hidden states [T, hidden]
         on the others) -> this stage's hidden states, or on the last stage the logits of the sampled rows only:
         [len(logits_indices), tp * vocab_shard_size] on its tensor rank 0, None on its other tensor ranks."""
+        x, residual = self.hidden_states(inputs, positions, kv_caches, meta)
+        if not self.shard.last_stage:
+            return x if residual is None else x + residual
+        return self.compute_logits(x, residual, logits_indices)
+
+    def hidden_states(self, inputs: torch.Tensor, positions: torch.Tensor,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                      meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layers of this stage: (the last layer's MLP output, the residual stream before it; None for a stage
+        without layers), as each layer's forward gives them."""
         x = self.embed(inputs) if self.shard.first_stage else inputs
         residual = None
         stack = self._decoder_stack(x.shape[0], kv_caches, meta)
         if stack is not None:
             with profiled("decoder_layers"):
-                x, residual = stack(x, positions, meta.slot_mapping, meta.block_tables, meta.context_lens)
-        else:
-            for layer, kv_cache in zip(self.layers, kv_caches):
-                x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta)
-        if not self.shard.last_stage:
-            return x if residual is None else x + residual
+                return stack(x, positions, meta.slot_mapping, meta.block_tables, meta.context_lens)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta)
+        return x, residual
+
+    def compute_logits(self, x: torch.Tensor, residual: torch.Tensor | None,
+                       logits_indices: torch.Tensor) -> torch.Tensor | None:
+        """The last stage's logits of the rows `logits_indices` of the layers' outputs (the final norm adds the last
+        MLP output to the residual stream)."""
         with profiled("lm_head"):
             rows = residual[logits_indices] if residual is not None else None
             x, _ = self.ops.rms_norm(self.norm, x[logits_indices], rows)

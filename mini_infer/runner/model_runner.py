@@ -16,8 +16,9 @@ from mini_infer.config import EngineConfig
 from mini_infer.distributed.comm import Comm
 from mini_infer.model.attention import AttentionMetadata
 from mini_infer.model.loader import load_model
-from mini_infer.model.ops import TunedWeight, select_ops
+from mini_infer.model.ops import TunedWeight, select_backend
 from mini_infer.profiling import profiled
+from mini_infer.runner.graphs import CaptureReport, DecodeGraphs
 from mini_infer.runner.input_batch import InputBatch, StepInputs
 from mini_infer.runner.plan import StepPlan
 from mini_infer.runner.sampler import Sampler, SamplerOutput, prompt_logprobs
@@ -30,7 +31,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, num_blocks: int, comm: Comm, device: torch.device) -> None:
         self.config, self.comm, self.device = config, comm, device
         mc, shard = config.model_config, comm.shard
-        self.ops = select_ops(config.cpu_kernels, config.torch_dtype, device, config.quantization)
+        self.ops = select_backend(config, device)
         self.model = load_model(mc, Path(config.model), dtype=config.torch_dtype, device=device,
                                 max_positions=config.max_model_len, ops=self.ops, comm=comm)
         shape = (num_blocks, config.block_size, shard.num_kv_heads, mc.head_dim)
@@ -45,6 +46,20 @@ class ModelRunner:
                                       config.block_size)
         self.sampler = Sampler(mc.vocab_size, device, config.seed, self.ops.argmax, self.ops.top_k,
                                self.ops.mask_rows) if comm.rank == 0 else None
+        self.graphs: DecodeGraphs | None = None
+        self.graph_report: CaptureReport | None = None
+        # Graphs hold the GPU backend's decode steps on one rank (across ranks they would hold the collectives too).
+        if self.ops.graph_safe and not config.enforce_eager and config.world_size == 1:
+            self.graphs = DecodeGraphs(self._decode_layers, config.max_num_seqs, config.max_blocks_per_seq, device)
+            self.graph_report = self.graphs.capture()
+
+    def _decode_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                       block_tables: torch.Tensor, context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step's layers over tensors alone (what a graph captures): one token for each row."""
+        rows = input_ids.shape[0]
+        meta = AttentionMetadata(slot_mapping, block_tables, context_lens, query_start_loc=list(range(rows + 1)),
+                                 context_lens_host=None, num_decodes=rows)
+        return self.model.hidden_states(input_ids, positions, self.kv_caches, meta)
 
     def prepare(self, plan: StepPlan) -> StepInputs | None:
         """Apply the plan to the persistent batch (and the sampler's slots) and build the step's inputs (None
@@ -85,10 +100,18 @@ class ModelRunner:
     def forward(self, step: StepInputs) -> torch.Tensor | None:
         """Run this rank's part of the step; rank 0 gets the logits [num_reqs, >= vocab], the others None."""
         to = dict(device=self.device, non_blocking=True)
+        hidden = self.graphs.run(step) if self.graphs is not None else None
+        if hidden is not None:
+            return self.model.compute_logits(*hidden, step.logits_indices.to(**to))
         meta = AttentionMetadata(
             slot_mapping=step.slot_mapping.to(**to), block_tables=step.block_tables.to(**to),
             context_lens=step.context_lens.to(**to), query_start_loc=step.query_start_loc,
             context_lens_host=step.context_lens_host, num_decodes=step.num_decodes)
+        if step.num_decodes < len(step.context_lens_host):  # prompt chunks: their offsets for the GPU's prefill
+            starts = step.query_start_loc
+            meta.query_start = torch.tensor(starts, dtype=torch.int32).to(**to)
+            meta.max_query_len = max(end - start for start, end in zip(starts[step.num_decodes:],
+                                                                       starts[step.num_decodes + 1:]))
         comm, shard = self.comm, self.comm.shard
         if shard.first_stage:
             inputs = step.input_ids.to(**to)
@@ -115,6 +138,9 @@ class ModelRunner:
                  "kernels": self.ops.note, "matmul_choices": self.ops.matmul_choices()}
         if self.device.type == "cuda":
             stats["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        if self.graph_report is not None:
+            stats["decode_graphs"] = {"sizes": self.graph_report.sizes, "capture_s": self.graph_report.seconds,
+                                      "memory_bytes": self.graph_report.memory_bytes}
         return stats
 
 
