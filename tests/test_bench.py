@@ -3,19 +3,22 @@ the prompts, and that every system decodes the same greedy tokens."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import random
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from mini_infer.bench.hf import left_pad
-from mini_infer.bench.prompts import TEXTS, fixed_prompts, load_stream, random_requests
-from mini_infer.bench.options import WORKLOADS
+from mini_infer.bench.prompts import TEXTS, fixed_prompts, load_stream, nano_vllm_requests, random_requests
+from mini_infer.bench.options import WORKLOADS, BenchOptions, add_bench_args
 from mini_infer.bench.report import RunResult, count_output_tokens, percentile
 from mini_infer.bench.roofline import Ceilings, DecodeCost, prefill_flops, roofline
 from mini_infer.bench.run import WORKLOADS as WORKLOAD_REGISTRY
-from mini_infer.bench.systems import DEFAULT_SYSTEMS, Case, SystemFactory, run_systems
+from mini_infer.bench.systems import CUDA_DEFAULT_SYSTEMS, DEFAULT_SYSTEMS, Case, SystemFactory, run_systems
 from mini_infer.config import ModelConfig
 from mini_infer.entrypoints.cli import main
 from mini_infer.factory import PRESETS, parameter_count
@@ -239,7 +242,7 @@ class _FakeSystem:
     def __init__(self, name, calls, fail_at=None):
         self.name, self.calls, self.fail_at, self.runs = name, calls, fail_at, 0
 
-    def run(self, prompts, output_lens):
+    def run(self, prompts, output_lens, temperature=0.0):
         self.runs += 1
         if self.runs == self.fail_at:
             raise RuntimeError(f"{self.name} broke")
@@ -248,6 +251,39 @@ class _FakeSystem:
 
     def close(self):
         self.calls.append((self.name, "closed"))
+
+
+def _bench_options(*flags: str) -> BenchOptions:
+    parser = argparse.ArgumentParser()
+    add_bench_args(parser)
+    return BenchOptions.from_args(parser.parse_args(list(flags)))
+
+
+def test_device_flag_takes_the_gpus_systems_and_workloads():
+    with pytest.raises(ValueError, match="mini-infer-eager .* runs with --device cuda"):
+        _bench_options("--systems", "mini-infer-eager")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="--device cuda: torch sees no CUDA device"):
+            _bench_options("--device", "cuda")
+        return
+    assert _bench_options("--device", "cuda").systems == CUDA_DEFAULT_SYSTEMS
+    with pytest.raises(ValueError, match="--device cuda runs .*; not llama.cpp"):
+        _bench_options("--device", "cuda", "--systems", "mini-infer,llama.cpp")
+    with pytest.raises(ValueError, match="--device cuda runs the workloads .*, not 'kl'"):
+        _bench_options("--device", "cuda", "--workload", "kl")
+
+
+def test_nano_vllm_requests_are_nano_vllms():
+    """256 requests drawn as nano-vllm's bench.py draws them from seed 0 (its lengths, so its published figures'
+    work): prompt and output lengths in [100, 1024], ids in [0, 10000]; the same every time."""
+    requests = nano_vllm_requests()
+    assert len(requests.prompts) == len(requests.output_lens) == 256
+    assert all(100 <= len(p) <= 1024 for p in requests.prompts) and all(100 <= n <= 1024 for n in requests.output_lens)
+    assert all(0 <= t <= 10000 for p in requests.prompts for t in p)
+    rng = random.Random(0)
+    first_len = rng.randint(100, 1024)
+    assert len(requests.prompts[0]) == first_len and requests.prompts[0][0] == rng.randint(0, 10000)
+    assert nano_vllm_requests() == requests
 
 
 def test_wait_for_idle_waits_until_other_processes_stop():

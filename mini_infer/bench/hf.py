@@ -17,12 +17,12 @@ CONTINUOUS_PAGE_SIZE = 256  # transformers' default page size, in tokens
 CONTINUOUS_MAX_BATCH_TOKENS = 1024
 
 
-def load_model(model_dir: str, dtype: str):
-    """The checkpoint as a transformers model, its generation defaults replaced by plain greedy decoding (the
-    checkpoint's own sampling defaults, e.g. repetition_penalty 1.1, would change what is computed)."""
+def load_model(model_dir: str, dtype: str, device: str = "cpu"):
+    """The checkpoint as a transformers model on `device`, its generation defaults replaced by plain greedy decoding
+    (the checkpoint's own sampling defaults, e.g. repetition_penalty 1.1, would change what is computed)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
     checkpoint = model.generation_config
     eos = checkpoint.eos_token_id
     first_eos = eos[0] if isinstance(eos, list) else eos
@@ -52,23 +52,25 @@ class HFGenerate:
     def __init__(self, model, batch_size: int | None) -> None:
         self.model, self.batch_size = model, batch_size
 
-    def run(self, prompts: list[list[int]], output_lens: list[int]) -> RunResult:
+    def run(self, prompts: list[list[int]], output_lens: list[int], temperature: float = 0.0) -> RunResult:
         start = time.perf_counter()
         token_ids, finish_s = [], []
         step = self.batch_size or len(prompts)
         for first in range(0, len(prompts), step):
             batch_lens = output_lens[first:first + step]
-            generated = self._generate(prompts[first:first + step], max(batch_lens))
+            generated = self._generate(prompts[first:first + step], max(batch_lens), temperature)
             token_ids += [ids[:n] for ids, n in zip(generated, batch_lens)]
             finish_s += [time.perf_counter() - start] * len(batch_lens)
         return RunResult(token_ids, finish_s, time.perf_counter() - start)
 
-    def _generate(self, prompts: list[list[int]], num_new: int) -> list[list[int]]:
-        input_ids, attention_mask = left_pad(prompts, self.model.generation_config.pad_token_id)
+    def _generate(self, prompts: list[list[int]], num_new: int, temperature: float) -> list[list[int]]:
+        input_ids, attention_mask = (t.to(self.model.device) for t in left_pad(
+            prompts, self.model.generation_config.pad_token_id))
+        sampling = dict(do_sample=True, temperature=temperature, top_k=None, top_p=None) if temperature else {}
         # min_new_tokens = max_new_tokens: EOS can never end a row early, so every row generates num_new.
         with torch.inference_mode():
             out = self.model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=num_new,
-                                      min_new_tokens=num_new)
+                                      min_new_tokens=num_new, **sampling)
         return out[:, input_ids.shape[1]:].tolist()
 
     def close(self) -> None:
@@ -96,7 +98,9 @@ class HFContinuous:
         # reach run() as request errors or a dead generation thread, and are raised there.
         logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
 
-    def run(self, prompts: list[list[int]], output_lens: list[int]) -> RunResult:
+    def run(self, prompts: list[list[int]], output_lens: list[int], temperature: float = 0.0) -> RunResult:
+        if temperature:
+            raise ValueError("hf-continuous runs greedy here; use hf-generate for a sampled workload")
         start = time.perf_counter()
         token_ids, finish_s = [[] for _ in prompts], [0.0] * len(prompts)
         with self.model.continuous_batching_context_manager(

@@ -11,10 +11,12 @@ from pathlib import Path
 
 from mini_infer.bench.peers import GGUF_OUTTYPES, PEER_NAMES
 from mini_infer.config import QUANTIZATION_METHODS
-from mini_infer.bench.systems import DEFAULT_SYSTEMS, GGUF_TYPE, QUANTIZED_SYSTEMS
+from mini_infer.bench.systems import CUDA_DEFAULT_SYSTEMS, CUDA_SYSTEMS, DEFAULT_SYSTEMS, GGUF_TYPE, QUANTIZED_SYSTEMS
 from mini_infer.bench.systems import SYSTEM_NAMES as SYSTEMS
 
-WORKLOADS = ("fixed", "prefill", "random", "parallel", "shared-prefix", "long-prompt", "kl")
+WORKLOADS = ("fixed", "prefill", "random", "nano-vllm", "parallel", "shared-prefix", "long-prompt", "kl")
+CUDA_WORKLOADS = ("fixed", "prefill", "random", "nano-vllm")
+DEVICES = ("cpu", "cuda")
 DTYPES = ("bfloat16", "float32")
 _SIZES = {"dp": "data_parallel_size", "tp": "tensor_parallel_size", "pp": "pipeline_parallel_size"}
 
@@ -26,12 +28,18 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                              "matmul peak); random: requests of random lengths, all submitted at once; "
                              "shared-prefix: prefix caching on vs off; long-prompt: chunked prefill on vs off "
                              "(README: Prefix caching and chunked prefill); kl: each quantised system's KL "
-                             "divergence from its unquantised model over ~2,000 tokens of text (with --quantization)")
+                             "divergence from its unquantised model over ~2,000 tokens of text (with --quantization); "
+                             "nano-vllm: nano-vllm's benchmark (256 requests of random token ids, input and output "
+                             "lengths uniform in [100, 1024], seed 0, temperature 0.6, EOS ignored)")
     parser.add_argument("--model", default=None, help="local HF-format model directory (default: the random-weight "
                                                       "qwen2.5-0.5b preset)")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
-    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
-                        help=f"comma list of {', '.join(SYSTEMS)} (default: {','.join(DEFAULT_SYSTEMS)}); the peers "
+    parser.add_argument("--device", choices=DEVICES, default="cpu",
+                        help="where the systems run: cuda runs mini-infer (CUDA graphs for decode), mini-infer-eager "
+                             "(--enforce-eager) and the HF baselines on the GPU, with the GPU's ceilings")
+    parser.add_argument("--systems", default=None,
+                        help=f"comma list of {', '.join(SYSTEMS)} (default: {','.join(DEFAULT_SYSTEMS)}; with --device "
+                             f"cuda {','.join(CUDA_DEFAULT_SYSTEMS)}, of {', '.join(CUDA_SYSTEMS)}); the peers "
                              f"{' and '.join(PEER_NAMES)} are set up in their own environments under the mini-infer "
                              "cache on first use (minutes), or skipped with the reason")
     parser.add_argument("--gguf-outtype", choices=GGUF_OUTTYPES, default=None,
@@ -65,6 +73,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
 @dataclass(frozen=True, slots=True)
 class BenchOptions:
     workload: str
+    device: str
     model: str | None
     dtype: str
     systems: tuple[str, ...]
@@ -86,10 +95,14 @@ class BenchOptions:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> BenchOptions:
-        systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+        cuda = args.device == "cuda"
+        defaults = CUDA_DEFAULT_SYSTEMS if cuda else DEFAULT_SYSTEMS
+        named = args.systems if args.systems is not None else ",".join(defaults)
+        systems = [s.strip() for s in named.split(",") if s.strip()]
         if not systems or any(s not in SYSTEMS for s in systems) or len(set(systems)) != len(systems):
             raise ValueError(f"--systems must be a comma list of distinct names from {', '.join(SYSTEMS)}, "
-                             f"got {args.systems!r}")
+                             f"got {named!r}")
+        _check_device(args, systems)
         if args.quantization is not None:
             methods = [m.strip() for m in args.quantization.split(",") if m.strip()]
             if not methods or any(m not in QUANTIZATION_METHODS for m in methods):
@@ -111,6 +124,26 @@ class BenchOptions:
                       "input_len_range": _range("--input-len-range", args.input_len_range),
                       "output_len_range": _range("--output-len-range", args.output_len_range),
                       "parallel": _layouts(args.parallel if args.parallel is not None else "single,dp2,tp2,pp2")})
+
+
+def _check_device(args: argparse.Namespace, systems: list[str]) -> None:
+    """--device cuda runs the systems that run on a GPU, the workloads that measure one, on a machine that has one;
+    mini-infer-eager (no graphs) exists on a GPU only."""
+    if args.device == "cpu":
+        if "mini-infer-eager" in systems:
+            raise ValueError("--systems mini-infer-eager (mini-infer without CUDA graphs) runs with --device cuda")
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device on this machine")
+    others = [s for s in systems if s not in CUDA_SYSTEMS]
+    if others or args.quantization is not None:
+        raise ValueError(f"--device cuda runs {', '.join(CUDA_SYSTEMS)}; not {', '.join(others) or 'quantised systems'}"
+                         " (the peers and quantised weights run on the CPU)")
+    workload = "parallel" if args.parallel is not None else args.workload
+    if workload not in CUDA_WORKLOADS:
+        raise ValueError(f"--device cuda runs the workloads {', '.join(CUDA_WORKLOADS)}, not {workload!r}")
 
 
 def parse_layout(name: str) -> dict[str, int]:

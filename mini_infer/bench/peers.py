@@ -91,7 +91,9 @@ class WorkerSystem:
     worker: Worker
     info: dict
 
-    def run(self, prompts: list[list[int]], output_lens: list[int]) -> RunResult:
+    def run(self, prompts: list[list[int]], output_lens: list[int], temperature: float = 0.0) -> RunResult:
+        if temperature:
+            raise ValueError(f"the peers' workers decode greedily; a run at temperature {temperature} is not theirs")
         answer = self.worker.call({"prompts": prompts, "output_lens": output_lens})
         return run_result(answer, output_lens)
 

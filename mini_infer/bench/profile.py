@@ -10,6 +10,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from mini_infer.bench.report import Column, format_table
@@ -93,7 +94,9 @@ def profile_decode_step(engine, batch_size: int, *, prompt_len: int = 32, decode
             batch.step()
         unprofiled = [batch.step() for _ in range(steps)]
         context_len = batch.context_len()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        on_gpu = engine.config.device != "cpu"
+        activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]
+        with profile(activities=activities) as prof:
             profiled = [batch.step() for _ in range(steps)]
     finally:
         batch.release()
@@ -102,7 +105,9 @@ def profile_decode_step(engine, batch_size: int, *, prompt_len: int = 32, decode
     step_ms = 1000 * statistics.fmean(profiled)
     rows = _component_rows(_label_totals_ms(prof.events(), steps), step_ms)
     config, stats = engine.config, engine.memory_stats()[0]
+    gpu = _gpu_work(prof.events(), steps, config.model_config.num_hidden_layers) if on_gpu else None
     return {
+        "gpu": gpu, "decode_graphs": stats.get("decode_graphs"),
         "kernels": stats["kernels"], "matmul_choices": stats["matmul_choices"],
         "model": str(config.model), "dtype": str(config.torch_dtype).removeprefix("torch."),
         "device": str(config.device), "batch_size": batch_size, "prompt_len": prompt_len,
@@ -171,6 +176,24 @@ class _DecodeBatch:
         self.engine.step()  # hands back the abort outputs, leaving the engine idle
 
 
+def _gpu_work(events, steps: int, num_layers: int) -> dict:
+    """What the device ran per step: its kernels (those a CUDA graph replays included) and copies, their count and
+    summed time, and the kernels per decoder layer (all of a step's over its layers: the LM head and sampler's few
+    included)."""
+    kernels = copies = 0
+    kernel_us = copy_us = 0.0
+    for event in events:
+        if event.device_type != DeviceType.CUDA:
+            continue
+        if event.name.startswith("Memcpy") or event.name.startswith("Memset"):
+            copies, copy_us = copies + 1, copy_us + event.device_time_total
+        else:
+            kernels, kernel_us = kernels + 1, kernel_us + event.device_time_total
+    return {"kernels_per_step": kernels / steps, "kernel_ms_per_step": kernel_us / 1000 / steps,
+            "kernels_per_layer": kernels / steps / max(1, num_layers), "copies_per_step": copies / steps,
+            "copy_ms_per_step": copy_us / 1000 / steps}
+
+
 def _label_totals_ms(events, steps: int) -> dict[str, float]:
     """Mean ms per step of every labelled range, summed over its occurrences (one per layer for kv_write and
     attention, two per step for scheduler); each occurrence counts its whole span, children included."""
@@ -206,7 +229,15 @@ def profile_table(result: dict) -> str:
              f"without the profiler: {result['unprofiled_step_ms']:.3f} ms/step (the profiler's per-op recording "
              "adds the difference; read the rows as shares of the step)"]
     if result["device"] != "cpu":
-        lines.append("CPU-side ranges only: asynchronous accelerator work is counted where the host waits for it")
+        lines.append("the rows are host-side ranges: the GPU's asynchronous work counts where the host waits for it")
+        gpu = result["gpu"]
+        lines.append(f"on the GPU a step: {gpu['kernels_per_step']:.0f} kernels ({gpu['kernels_per_layer']:.1f} per "
+                     f"decoder layer) busy {gpu['kernel_ms_per_step']:.3f} ms, {gpu['copies_per_step']:.0f} copies "
+                     f"{gpu['copy_ms_per_step']:.3f} ms")
+        graphs = result["decode_graphs"]
+        lines.append(f"decode steps replay CUDA graphs ({len(graphs['sizes'])} batch sizes up to "
+                     f"{graphs['sizes'][-1]}, captured in {graphs['capture_s']:.1f} s)" if graphs
+                     else "every step runs eagerly (no graphs)")
     lines.append(f"kernels: {result['kernels']}")
     if result["matmul_choices"]:
         lines += ["matmul per weight shape and batch-size bucket (autotuned):",

@@ -94,3 +94,17 @@ def random_requests(stream: TokenStream, num_requests: int, input_len_range: tup
         prompts.append(stream.window(start, rng.randint(*input_len_range)))
         output_lens.append(rng.randint(*output_len_range))
     return RandomRequests(prompts, output_lens)
+
+
+# nano-vllm's bench.py: 256 requests, prompt and output lengths uniform in [100, 1024], token ids uniform in
+# [0, 10000], Python's random seeded with 0, sampled at temperature 0.6 with EOS ignored.
+NANO_VLLM_REQUESTS, NANO_VLLM_LOW, NANO_VLLM_HIGH, NANO_VLLM_MAX_ID, NANO_VLLM_TEMPERATURE = 256, 100, 1024, 10000, 0.6
+
+
+def nano_vllm_requests() -> RandomRequests:
+    """nano-vllm's benchmark requests, drawn in its order (each prompt's length, then its ids; then every output
+    length) from the same seed, so the lengths are the ones its published figures ran."""
+    rng = random.Random(0)
+    prompts = [[rng.randint(0, NANO_VLLM_MAX_ID) for _ in range(rng.randint(NANO_VLLM_LOW, NANO_VLLM_HIGH))]
+               for _ in range(NANO_VLLM_REQUESTS)]
+    return RandomRequests(prompts, [rng.randint(NANO_VLLM_LOW, NANO_VLLM_HIGH) for _ in range(NANO_VLLM_REQUESTS)])

@@ -33,22 +33,31 @@ class RunResult:
         return count_output_tokens(self.token_ids)
 
 
-def machine_info() -> dict:
+def machine_info(device: str = "cpu") -> dict:
     """CPU model, cores, torch's threads, the CPU flags that decide low-precision matmul speed, and the load
-    average (call it before the measurements: other busy processes slow every system down)."""
+    average (call it before the measurements: other busy processes slow every system down); on a CUDA device also
+    the GPU's name, multiprocessors and memory."""
     cpuinfo, fields = Path("/proc/cpuinfo"), {}
     for line in cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []:
         key, _, value = line.partition(":")
         fields.setdefault(key.strip(), value.strip())
     flags = set(fields.get("flags", "").split())
-    return {"cpu_model": fields.get("model name") or platform.processor() or platform.machine(),
+    info = {"cpu_model": fields.get("model name") or platform.processor() or platform.machine(),
             "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "cpu_flags": {flag: flag in flags for flag in CPU_FLAGS}, "load_average_1m": os.getloadavg()[0]}
+    if torch.device(device).type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info["gpu"] = {"name": props.name, "multiprocessors": props.multi_processor_count,
+                       "memory_bytes": props.total_memory, "cuda": torch.version.cuda}
+    return info
 
 
 def describe_machine(machine: dict) -> str:
-    return (f"{machine['torch_threads']} torch threads on {machine['cpu_cores']} cores ({machine['cpu_model']}), "
-            f"load average {machine['load_average_1m']:.2f} at start")
+    gpu = machine.get("gpu")
+    on_gpu = (f"{gpu['name']} ({gpu['multiprocessors']} SMs, {gpu['memory_bytes'] / 2**30:.0f} GiB, CUDA "
+              f"{gpu['cuda']}); host: ") if gpu else ""
+    return (f"{on_gpu}{machine['torch_threads']} torch threads on {machine['cpu_cores']} cores "
+            f"({machine['cpu_model']}), load average {machine['load_average_1m']:.2f} at start")
 
 
 def _installed(package: str) -> str | None:

@@ -1,4 +1,5 @@
-"""Machine ceilings (matmul GFLOP/s, memory read GB/s), measured in-process, and the decode roofline they set.
+"""Machine ceilings (matmul GFLOP/s, memory read GB/s; on a GPU its device copy, bytes read and written), measured
+in-process, and the decode roofline they set.
 
 A decode step reads every weight once and does 2 FLOPs per linear parameter per sequence, so its time is at
 least max(weight bytes / read bandwidth, FLOPs / compute peak). KV-cache reads and attention FLOPs are left
@@ -19,6 +20,8 @@ FP32_MATMUL_SIZE = 2048
 # product can take a minute), so those dtypes are measured on a smaller square.
 LOW_PRECISION_MATMUL_SIZE = 512
 READ_BYTES = 256 * 2**20
+GPU_MATMUL_SIZE = 8192
+GPU_COPY_BYTES = 2**30  # each of source and destination: many times any GPU's L2
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +31,9 @@ class Ceilings:
     compute_peak_gflops: float
     compute_peak_source: str  # the dtype whose matmul sets the peak
     read_gbs: float
+    # How read_gbs was measured: "read" (a sum over a buffer, on the CPU) or "device copy" (a GPU's copy of one buffer
+    # into another, counting the bytes read and written, as GPU bandwidth is quoted).
+    memory_kind: str = "read"
 
 
 def _best_seconds(fn, reps: int) -> float:
@@ -50,9 +56,44 @@ def measure_read_gbs(num_bytes: int = READ_BYTES, reps: int = 5) -> float:
     return num_bytes / _best_seconds(data.sum, reps) / 1e9
 
 
-def measure_ceilings(dtype: torch.dtype) -> Ceilings:
+def _cuda_seconds(fn, reps: int) -> float:
+    """The median of `reps` timed calls after a warm-up, each timed with CUDA events around it."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _gpu_matmul_gflops(dtype: torch.dtype, device: torch.device, reps: int) -> float:
+    a, b = (torch.randn(GPU_MATMUL_SIZE, GPU_MATMUL_SIZE, device=device).to(dtype) for _ in range(2))
+    return 2 * GPU_MATMUL_SIZE**3 / _cuda_seconds(lambda: torch.mm(a, b), reps) / 1e9
+
+
+def measure_gpu_ceilings(dtype: torch.dtype, device: torch.device, reps: int = 10) -> Ceilings:
+    """A GPU's matmul rate at `dtype` (and float32) on random squares of GPU_MATMUL_SIZE, and its device copy
+    bandwidth (bytes read + written) over GPU_COPY_BYTES."""
+    rates = {str(each).removeprefix("torch."): _gpu_matmul_gflops(each, device, reps)
+             for each in {torch.float32, dtype}}
+    sizes = dict.fromkeys(rates, GPU_MATMUL_SIZE)
+    source = torch.empty(GPU_COPY_BYTES // 4, dtype=torch.float32, device=device).uniform_()
+    target = torch.empty_like(source)
+    copy_gbs = 2 * GPU_COPY_BYTES / _cuda_seconds(lambda: target.copy_(source), reps) / 1e9
+    peak = max(rates, key=rates.get)
+    return Ceilings(matmul_gflops=rates, matmul_sizes=sizes, compute_peak_gflops=rates[peak], compute_peak_source=peak,
+                    read_gbs=copy_gbs, memory_kind="device copy")
+
+
+def measure_ceilings(dtype: torch.dtype, device: str = "cpu") -> Ceilings:
     """Compute peak at `dtype`; for a narrower dtype it is max(its own matmul, fp32 matmul), because its data
-    can always be widened and computed with fp32 FMAs."""
+    can always be widened and computed with fp32 FMAs. On a CUDA device, the GPU's (measure_gpu_ceilings)."""
+    if torch.device(device).type == "cuda":
+        return measure_gpu_ceilings(dtype, torch.device(device))
     name = str(dtype).removeprefix("torch.")
     rates = {"float32": measure_matmul_gflops(torch.float32, FP32_MATMUL_SIZE)}
     sizes = {"float32": FP32_MATMUL_SIZE}

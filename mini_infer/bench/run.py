@@ -9,15 +9,16 @@ from mini_infer.bench.charts import chart
 from mini_infer.bench.features import LONG_PROMPT, SHARED_PREFIX
 from mini_infer.bench.kl import KL
 from mini_infer.bench.options import BenchOptions
+from mini_infer.bench.prompts import NANO_VLLM_HIGH
 from mini_infer.bench.parallel import PARALLEL
 from mini_infer.bench.report import Workload, describe_machine, format_table, machine_info, versions, write_json
-from mini_infer.bench.throughput import FIXED, PREFILL, RANDOM
+from mini_infer.bench.throughput import FIXED, NANO_VLLM, PREFILL, RANDOM
 from mini_infer.config import ModelConfig
 from mini_infer.kernels.autotune import describe_choices
 
 WORKLOADS = {  # one per options.WORKLOADS name
-    "fixed": FIXED, "prefill": PREFILL, "random": RANDOM, "parallel": PARALLEL, "shared-prefix": SHARED_PREFIX,
-    "long-prompt": LONG_PROMPT, "kl": KL}
+    "fixed": FIXED, "prefill": PREFILL, "random": RANDOM, "nano-vllm": NANO_VLLM, "parallel": PARALLEL,
+    "shared-prefix": SHARED_PREFIX, "long-prompt": LONG_PROMPT, "kl": KL}
 
 
 def _log(message: str) -> None:
@@ -29,7 +30,8 @@ def run_bench(options: BenchOptions, model_dir: str) -> None:
     _check_lengths(options, model_dir)
     options.out.mkdir(parents=True, exist_ok=True)
     workload = WORKLOADS[options.workload]
-    header = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine_info(), "versions": versions()}
+    header = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine_info(options.device),
+              "versions": versions()}
     report = {**header, **workload.run(options, model_dir, _log)}
     json_path, png_path = options.out / f"{options.workload}.json", options.out / f"{options.workload}.png"
     write_json(json_path, report)
@@ -63,6 +65,7 @@ def _check_lengths(options: BenchOptions, model_dir: str) -> None:
                "prefill": ("--prompt-len + 1", options.prompt_len + 1),
                "parallel": ("--prompt-len + --parallel-new-tokens", options.prompt_len + options.parallel_new_tokens),
                "random": ("the longest request (--input-len-range HIGH + --output-len-range HIGH)",
-                          options.input_len_range[1] + options.output_len_range[1])}.get(options.workload)
+                          options.input_len_range[1] + options.output_len_range[1]),
+               "nano-vllm": ("nano-vllm's longest request", NANO_VLLM_HIGH + NANO_VLLM_HIGH)}.get(options.workload)
     if longest is not None and longest[1] > limit:
         raise ValueError(f"{longest[0]} must be <= {limit} (the model's max_position_embeddings), got {longest[1]}")

@@ -29,16 +29,21 @@ QUANTIZED_SYSTEMS = {"mini-infer-int8": ("mini-infer", "int8"), "mini-infer-int4
                      "llama.cpp-q8_0": ("llama.cpp", "q8_0"), "llama.cpp-q4_0": ("llama.cpp", "q4_0")}
 GGUF_TYPE = {"int8": "q8_0", "int4": "q4_0"}  # llama.cpp's format of the same bits as mini-infer's method
 # mini-infer-torch: mini-infer with cpu_kernels=off (torch ops only), the floor its own kernels must beat.
-SYSTEM_NAMES = (*DEFAULT_SYSTEMS, "mini-infer-torch", *PEER_NAMES, *QUANTIZED_SYSTEMS)
+# mini-infer-eager (a GPU's): mini-infer with enforce_eager, every step launched op by op (no CUDA graphs).
+SYSTEM_NAMES = (*DEFAULT_SYSTEMS, "mini-infer-torch", "mini-infer-eager", *PEER_NAMES, *QUANTIZED_SYSTEMS)
+CUDA_SYSTEMS = ("hf-generate", "hf-continuous", "mini-infer", "mini-infer-eager")  # what --device cuda runs
+CUDA_DEFAULT_SYSTEMS = ("hf-generate", "mini-infer-eager", "mini-infer")
 # Run where the installed transformers supports them, or where the peer can be set up; otherwise skipped with the
 # reason.
 OPTIONAL_SYSTEMS = ("hf-continuous", *PEER_NAMES, "llama.cpp-q8_0", "llama.cpp-q4_0")
 
 
-def greedy(max_tokens: int, kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> SamplingParams:
-    """Explicit plain greedy: the checkpoint's defaults (e.g. repetition_penalty 1.1) would change the work."""
-    return SamplingParams(temperature=0.0, repetition_penalty=1.0, max_tokens=max_tokens, ignore_eos=True,
-                          output_kind=kind)
+def greedy(max_tokens: int, kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+           temperature: float = 0.0) -> SamplingParams:
+    """Explicit plain greedy (or plain sampling at `temperature`, no top-k/top-p): the checkpoint's defaults (e.g.
+    repetition_penalty 1.1) would change the work."""
+    return SamplingParams(temperature=temperature, repetition_penalty=1.0, top_k=0, top_p=1.0, min_p=0.0,
+                          max_tokens=max_tokens, ignore_eos=True, output_kind=kind)
 
 
 class MiniInferSystem:
@@ -50,13 +55,13 @@ class MiniInferSystem:
         self.rss = engine_rss(model_dir, engine_args) if measure_rss else None
         self._request_ids = itertools.count()
 
-    def run(self, prompts: list[list[int]], output_lens: list[int]) -> RunResult:
+    def run(self, prompts: list[list[int]], output_lens: list[int], temperature: float = 0.0) -> RunResult:
         start = time.perf_counter()
         index = {}
         for prompt, output_len in zip(prompts, output_lens):
             request_id = f"bench-{next(self._request_ids)}"
             index[request_id] = len(index)
-            self.engine.add_request(request_id, prompt, greedy(output_len))
+            self.engine.add_request(request_id, prompt, greedy(output_len, temperature=temperature))
         token_ids, finish_s = [[] for _ in prompts], [0.0] * len(prompts)
         for output in self.engine.run_until_done():
             if output.finished:
@@ -68,7 +73,12 @@ class MiniInferSystem:
     def info(self) -> dict:
         """The kernels the engine's model runs (rank 0 of replica 0): note and autotuned matmul choices."""
         stats = self.engine.memory_stats()[0]
-        return {"summary": f"kernels: {stats['kernels']}", "kernels": stats["kernels"],
+        graphs = stats.get("decode_graphs")
+        captured = (f"; decode steps replay CUDA graphs of {len(graphs['sizes'])} batch sizes up to "
+                    f"{graphs['sizes'][-1]} (captured in {graphs['capture_s']:.1f} s, "
+                    f"{(graphs['memory_bytes'] or 0) / 2**20:.0f} MiB)") if graphs else ""
+        return {"summary": f"kernels: {stats['kernels']}{captured}", "kernels": stats["kernels"],
+                "decode_graphs": graphs,
                 "matmul_choices": stats["matmul_choices"], "weight_bytes": stats["param_bytes"],
                 "rss_bytes": self.rss}
 
@@ -106,8 +116,8 @@ class SystemFactory:
 
     def __init__(self, model_dir: str, dtype: str, *, max_requests: int, max_seq_len: int,
                  static_batch_size: int | None = None, gguf_outtype: str | None = None,
-                 log: Callable[[str], None] = _stderr, measure_rss: bool = False) -> None:
-        self.model_dir, self.dtype = model_dir, dtype
+                 log: Callable[[str], None] = _stderr, measure_rss: bool = False, device: str = "cpu") -> None:
+        self.model_dir, self.dtype, self.device = model_dir, dtype, device
         self.max_requests, self.max_seq_len = max_requests, max_seq_len
         self.static_batch_size, self.gguf_outtype, self.log = static_batch_size, gguf_outtype, log
         self.measure_rss = measure_rss  # mini-infer's resident set, in a process of its own (engine_rss)
@@ -118,17 +128,19 @@ class SystemFactory:
         if base in PEER_NAMES:
             return build_peer(base, self.model_dir, self.dtype, max_requests=self.max_requests,
                               max_seq_len=self.max_seq_len, gguf_outtype=kind or self.gguf_outtype, log=self.log)
-        if base in ("mini-infer", "mini-infer-torch"):
+        if base in ("mini-infer", "mini-infer-torch", "mini-infer-eager"):
             # Prefix caching off: the timed runs repeat the warm-up's prompts, and reusing their K/V would skip
             # prefill work that the HF systems must do (the shared-prefix workload measures the cache itself).
-            return MiniInferSystem(self.model_dir, dict(dtype=self.dtype, max_num_seqs=max(256, self.max_requests),
-                                                        enable_prefix_caching=False, quantization=kind,
-                                                        cpu_kernels="off" if name == "mini-infer-torch" else "auto"),
-                                   self.measure_rss)
+            args = dict(dtype=self.dtype, max_num_seqs=max(256, self.max_requests), enable_prefix_caching=False,
+                        quantization=kind, cpu_kernels="off" if name == "mini-infer-torch" else "auto")
+            if self.device != "cpu":
+                args.update(device=self.device, enforce_eager=name == "mini-infer-eager",
+                            kv_cache_memory_gb=self.kv_cache_gb())
+            return MiniInferSystem(self.model_dir, args, self.measure_rss)
         from mini_infer.bench import hf  # only here: nothing else loads transformers' modeling code
 
         if self._hf_model is None:
-            self._hf_model = hf.load_model(self.model_dir, self.dtype)
+            self._hf_model = hf.load_model(self.model_dir, self.dtype, self.device)
         if name == "hf-generate":
             return hf.HFGenerate(self._hf_model, self.static_batch_size)
         if name == "hf-continuous":
@@ -136,15 +148,25 @@ class SystemFactory:
         raise ValueError(f"system must be one of {', '.join(SYSTEM_NAMES)}, got {name!r}")
 
 
+    def kv_cache_gb(self) -> float:
+        """A GPU's KV cache for every request at its longest at once, with a quarter to spare (at least 1 GiB): the
+        CPU's default of 2 GiB would preempt a GPU's large batches."""
+        config = EngineConfig(model=self.model_dir, dtype=self.dtype)
+        per_token = config.kv_bytes_per_block() / config.block_size
+        return max(1.0, 1.25 * self.max_requests * self.max_seq_len * per_token / 2**30)
+
+
 @dataclass(slots=True)
 class Case:
-    """One measured setting (a batch size, or the random workload), with a shorter warm-up run before it."""
+    """One measured setting (a batch size, or the random workload), with a shorter warm-up run before it; every
+    request greedy, or sampled at `temperature`."""
 
     label: str
     prompts: list[list[int]]
     output_lens: list[int]
     warmup_prompts: list[list[int]]
     warmup_output_lens: list[int]
+    temperature: float = 0.0
 
 
 def cpu_busy_share(read: Callable[[], str] = lambda: open("/proc/stat").readline()) -> Callable[[], float]:
@@ -236,12 +258,12 @@ def run_systems(factory: SystemFactory, names: list[str], cases: list[Case], rep
 
 def _warm_up(name: str, system, case: Case, log: Callable[[str], None]) -> None:
     log(f"{name} {case.label} warm-up")
-    system.run(case.warmup_prompts, case.warmup_output_lens)
+    system.run(case.warmup_prompts, case.warmup_output_lens, case.temperature)
 
 
 def _timed(name: str, system, case: Case, rep: int, reps: int, records: dict[str, dict],
            log: Callable[[str], None]) -> None:
-    result = system.run(case.prompts, case.output_lens)
+    result = system.run(case.prompts, case.output_lens, case.temperature)
     records[name]["runs"].setdefault(case.label, []).append(result)
     log(f"{name} {case.label} rep {rep + 1}/{reps}: {result.wall_s:.2f} s, "
         f"{result.output_tokens / result.wall_s:.1f} output tok/s")

@@ -1,8 +1,8 @@
 """The workloads that compare the systems: fixed (per batch size B, B real-text prompts of one length, output
 tokens/s against the decode roofline measured on this machine), prefill (one long real-text prompt and one new
-token: time to first token and the GFLOP/s it ran at against the machine's matmul peak) and random (requests of
+token: time to first token and the GFLOP/s it ran at against the machine's matmul peak), random (requests of
 random input and output lengths submitted at once; throughput and request latency, finish time minus the common
-submit time)."""
+submit time) and nano-vllm (nano-vllm's benchmark: the random workload's measures on its requests)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import torch
 
 from mini_infer.bench.charts import Panel, Series
 from mini_infer.bench.options import BenchOptions
-from mini_infer.bench.prompts import fixed_prompts, load_stream, random_requests
+from mini_infer.bench.prompts import (NANO_VLLM_HIGH, NANO_VLLM_LOW, NANO_VLLM_TEMPERATURE, RandomRequests,
+                                      fixed_prompts, load_stream, nano_vllm_requests, random_requests)
 from mini_infer.bench.report import Column, RunResult, Workload, percentile, speedup, summarize
 from mini_infer.bench.roofline import Ceilings, DecodeCost, measure_ceilings, prefill_flops, roofline
 from mini_infer.bench.systems import Case, SystemFactory, run_systems
@@ -35,11 +36,12 @@ def run_fixed(options: BenchOptions, model_dir: str, log: Callable[[str], None])
         cases.append(Case(f"B={batch_size}", prompts, [new_tokens] * batch_size, prompts, [warmup_tokens] * batch_size))
     dtype = getattr(torch, options.dtype)
     log(f"measuring the machine's ceilings ({options.dtype} matmul, memory read)")
-    ceilings = measure_ceilings(dtype)
+    ceilings = measure_ceilings(dtype, options.device)
     cost = DecodeCost.from_config(ModelConfig.from_dir(model_dir), dtype.itemsize)
     factory = SystemFactory(model_dir, options.dtype, max_requests=max(options.batch_sizes),
                             max_seq_len=options.prompt_len + new_tokens, gguf_outtype=options.gguf_outtype, log=log,
-                            measure_rss=any(name.startswith("mini-infer-int") for name in options.systems))
+                            measure_rss=any(name.startswith("mini-infer-int") for name in options.systems),
+                            device=options.device)
     records = run_systems(factory, list(options.systems), cases, options.reps, log)
     points = {b: roofline(cost, ceilings, b) for b in options.batch_sizes}
     systems = {name: {"reason": record["reason"], "setup": record["setup"],
@@ -54,8 +56,8 @@ def run_fixed(options: BenchOptions, model_dir: str, log: Callable[[str], None])
     for system in systems.values():
         for result in system["results"]:
             result["speedup_vs_hf_generate"] = speedup(result["tok_s"]["median"], base.get(result["batch_size"]))
-    config = {"model": model_dir, "dtype": options.dtype, "systems": list(options.systems), "reps": options.reps,
-              "batch_sizes": list(options.batch_sizes), "prompt_len": options.prompt_len,
+    config = {"model": model_dir, "dtype": options.dtype, "device": options.device, "systems": list(options.systems),
+              "reps": options.reps, "batch_sizes": list(options.batch_sizes), "prompt_len": options.prompt_len,
               "max_new_tokens": new_tokens, "warmup_tokens": options.warmup_tokens}
     return {"workload": "fixed", "config": config, "ceilings": asdict(ceilings), "decode_cost": asdict(cost),
             "roofline": [asdict(p) for p in points.values()], "systems": systems}
@@ -78,9 +80,11 @@ def _compute_ceiling(ceilings: dict) -> str:
 
 def _fixed_headline(report: dict) -> list[str]:
     config, ceilings = report["config"], report["ceilings"]
+    memory = ceilings.get("memory_kind", "read")
+    memory = "memory read" if memory == "read" else f"memory ({memory}: bytes read + written)"
     lines = [f"{config['model']} ({config['dtype']}), {config['prompt_len']} prompt + {config['max_new_tokens']} "
              f"new tokens per request, {config['reps']} reps",
-             f"ceilings: {_compute_ceiling(ceilings)}, memory read {ceilings['read_gbs']:.1f} GB/s; a decode step "
+             f"ceilings: {_compute_ceiling(ceilings)}, {memory} {ceilings['read_gbs']:.1f} GB/s; a decode step "
              f"reads {report['decode_cost']['weight_bytes'] / 1e6:.0f} MB of {config['dtype']} weights (the roofline)"]
     if any("weight_bytes" in r for s in report["systems"].values() for r in s["results"]):
         lines.append("weights MB: the weights a system holds (mini-infer's tensors, llama.cpp's GGUF file); RSS MB: the "
@@ -120,10 +124,10 @@ def run_prefill(options: BenchOptions, model_dir: str, log: Callable[[str], None
     case = Case("prefill", prompt, [1], prompt, [1])
     dtype = getattr(torch, options.dtype)
     log(f"measuring the machine's ceilings ({options.dtype} matmul, memory read)")
-    ceilings = measure_ceilings(dtype)
+    ceilings = measure_ceilings(dtype, options.device)
     flops = prefill_flops(ModelConfig.from_dir(model_dir), options.prompt_len)
     factory = SystemFactory(model_dir, options.dtype, max_requests=1, max_seq_len=options.prompt_len + 1,
-                            gguf_outtype=options.gguf_outtype, log=log)
+                            gguf_outtype=options.gguf_outtype, log=log, device=options.device)
     records = run_systems(factory, list(options.systems), [case], options.reps, log)
     systems = {}
     for name, record in records.items():
@@ -139,8 +143,8 @@ def run_prefill(options: BenchOptions, model_dir: str, log: Callable[[str], None
     for summary in (s["summary"] for s in systems.values() if s["summary"] is not None):
         summary["speedup_vs_hf_generate"] = speedup(base["ttft_ms"]["median"], summary["ttft_ms"]["median"]) \
             if base else None
-    config = {"model": model_dir, "dtype": options.dtype, "systems": list(options.systems), "reps": options.reps,
-              "prompt_len": options.prompt_len, "max_new_tokens": 1}
+    config = {"model": model_dir, "dtype": options.dtype, "device": options.device, "systems": list(options.systems),
+              "reps": options.reps, "prompt_len": options.prompt_len, "max_new_tokens": 1}
     return {"workload": "prefill", "config": config, "ceilings": asdict(ceilings), "prefill_flops": flops,
             "systems": systems}
 
@@ -166,16 +170,36 @@ def run_random(options: BenchOptions, model_dir: str, log: Callable[[str], None]
     """Every system serves the same seeded requests."""
     requests = random_requests(load_stream(model_dir), options.num_requests, options.input_len_range,
                                options.output_len_range, options.seed)
+    config = {"num_requests": options.num_requests, "input_len_range": list(options.input_len_range),
+              "output_len_range": list(options.output_len_range), "seed": options.seed,
+              "prompt_source": PROMPT_SOURCE}
+    return _serve_requests("random", options, model_dir, requests, 0.0, config, log)
+
+
+def run_nano_vllm(options: BenchOptions, model_dir: str, log: Callable[[str], None]) -> dict:
+    """nano-vllm's bench.py as its authors run it (prompts.nano_vllm_requests), each system timed over the whole
+    batch submitted at once."""
+    requests = nano_vllm_requests()
+    config = {"num_requests": len(requests.prompts), "input_len_range": [NANO_VLLM_LOW, NANO_VLLM_HIGH],
+              "output_len_range": [NANO_VLLM_LOW, NANO_VLLM_HIGH], "seed": 0, "temperature": NANO_VLLM_TEMPERATURE,
+              "prompt_source": "random token ids in [0, 10000], as nano-vllm's bench.py draws them"}
+    return _serve_requests("nano-vllm", options, model_dir, requests, NANO_VLLM_TEMPERATURE, config, log)
+
+
+def _serve_requests(workload: str, options: BenchOptions, model_dir: str, requests: RandomRequests,
+                    temperature: float, settings: dict, log: Callable[[str], None]) -> dict:
     warmup = [p[:RANDOM_WARMUP_PROMPT_LEN] for p in requests.prompts[:RANDOM_WARMUP_REQUESTS]]
-    case = Case("random", requests.prompts, requests.output_lens, warmup, [RANDOM_WARMUP_OUTPUT_LEN] * len(warmup))
-    factory = SystemFactory(model_dir, options.dtype, max_requests=options.num_requests,
+    case = Case(workload, requests.prompts, requests.output_lens, warmup,
+                [RANDOM_WARMUP_OUTPUT_LEN] * len(warmup), temperature)
+    factory = SystemFactory(model_dir, options.dtype, max_requests=len(requests.prompts),
                             max_seq_len=max(len(p) + n for p, n in zip(requests.prompts, requests.output_lens)),
-                            static_batch_size=options.batch_size, gguf_outtype=options.gguf_outtype, log=log)
+                            static_batch_size=options.batch_size, gguf_outtype=options.gguf_outtype, log=log,
+                            device=options.device)
     records = run_systems(factory, list(options.systems), [case], options.reps, log)
     prompt_tokens = sum(len(p) for p in case.prompts)
     systems = {}
     for name, record in records.items():
-        runs = [_random_metrics(run, prompt_tokens) for run in record["runs"].get("random", [])]
+        runs = [_random_metrics(run, prompt_tokens) for run in record["runs"].get(workload, [])]
         summary = {key: summarize([run[key] for run in runs])
                    for key in ("output_tok_s", "total_tok_s", "latency_p50_s", "latency_p99_s")} if runs else None
         systems[name] = {"reason": record["reason"], "setup": record["setup"], "runs": runs, "summary": summary}
@@ -183,11 +207,9 @@ def run_random(options: BenchOptions, model_dir: str, log: Callable[[str], None]
     for summary in (s["summary"] for s in systems.values() if s["summary"] is not None):
         summary["speedup_vs_hf_generate"] = speedup(summary["output_tok_s"]["median"],
                                                     base and base["output_tok_s"]["median"])
-    config = {"model": model_dir, "dtype": options.dtype, "systems": list(options.systems), "reps": options.reps,
-              "num_requests": options.num_requests, "input_len_range": list(options.input_len_range),
-              "output_len_range": list(options.output_len_range), "hf_generate_batch_size": options.batch_size,
-              "seed": options.seed, "prompt_source": PROMPT_SOURCE}
-    return {"workload": "random", "config": config,
+    config = {"model": model_dir, "dtype": options.dtype, "device": options.device, "systems": list(options.systems),
+              "reps": options.reps, "hf_generate_batch_size": options.batch_size, **settings}
+    return {"workload": workload, "config": config,
             "requests": {"prompt_tokens": prompt_tokens, "output_tokens": sum(case.output_lens),
                          "input_lens": [len(p) for p in case.prompts], "output_lens": list(case.output_lens)},
             "systems": systems}
@@ -202,10 +224,12 @@ def _random_metrics(run: RunResult, prompt_tokens: int) -> dict:
 
 def _random_headline(report: dict) -> list[str]:
     config, requests = report["config"], report["requests"]
+    sampled = f"sampled at temperature {config['temperature']}" if config.get("temperature") else "greedy"
     return [f"{config['model']} ({config['dtype']}), {config['num_requests']} requests submitted at once: "
             f"{requests['prompt_tokens']} prompt + {requests['output_tokens']} output tokens (input lengths "
-            f"U{config['input_len_range']}, output U{config['output_len_range']}, seed {config['seed']}); "
-            f"hf-generate runs static batches of {config['hf_generate_batch_size']}, {config['reps']} reps"]
+            f"U{config['input_len_range']}, output U{config['output_len_range']}, seed {config['seed']}, {sampled}; "
+            f"{config['prompt_source']}); hf-generate runs static batches of {config['hf_generate_batch_size']}, "
+            f"{config['reps']} reps"]
 
 
 def _random_chart(report: dict) -> tuple[str, list[Panel]]:
@@ -213,7 +237,8 @@ def _random_chart(report: dict) -> tuple[str, list[Panel]]:
     ran = {name: s["summary"] for name, s in report["systems"].items() if s["summary"] is not None}
     names, config = list(ran), report["config"]
     median = {key: [ran[n][key]["median"] for n in names] for key in ("output_tok_s", "latency_p50_s", "latency_p99_s")}
-    return (f"random workload: {config['num_requests']} requests, {Path(config['model']).name}, {config['dtype']}",
+    return (f"{report['workload']} workload: {config['num_requests']} requests, {Path(config['model']).name}, "
+            f"{config['dtype']}",
             [Panel("output tokens / s", names, [Series("output tok/s", median["output_tok_s"])]),
              Panel("request latency (s)", names, [Series("p50", median["latency_p50_s"]),
                                                   Series("p99", median["latency_p99_s"])])])
@@ -224,13 +249,19 @@ FIXED = Workload(run_fixed, _fixed_headline, (
     Column("min-max", "spread", "{0[min]:.1f}-{0[max]:.1f}"), Column("% roofline", "pct_of_roofline", "{:.0f}%"),
     VS_BASELINE, Column("weights MB", "weight_bytes", "{:.0f}"), Column("RSS MB", "rss_bytes", "{:.0f}")),
     _fixed_rows, _fixed_chart)
-RANDOM = Workload(run_random, _random_headline, (
+_SERVED_COLUMNS = (
     Column("system", "system"), Column("output tok/s", "output_tok_s", "{0[median]:.1f}"),
     Column("total tok/s", "total_tok_s", "{0[median]:.1f}"),
     Column("p50 latency s", "latency_p50_s", "{0[median]:.2f}"),
-    Column("p99 latency s", "latency_p99_s", "{0[median]:.2f}"), VS_BASELINE),
-    lambda report: [{"system": name, **s["summary"]} for name, s in report["systems"].items() if s["summary"]],
-    _random_chart)
+    Column("p99 latency s", "latency_p99_s", "{0[median]:.2f}"), VS_BASELINE)
+
+
+def _served_rows(report: dict) -> list[dict]:
+    return [{"system": name, **s["summary"]} for name, s in report["systems"].items() if s["summary"]]
+
+
+RANDOM = Workload(run_random, _random_headline, _SERVED_COLUMNS, _served_rows, _random_chart)
+NANO_VLLM = Workload(run_nano_vllm, _random_headline, _SERVED_COLUMNS, _served_rows, _random_chart)
 PREFILL = Workload(run_prefill, _prefill_headline, (
     Column("system", "system"), Column("TTFT ms", "ttft_ms", "{0[median]:.0f}"),
     Column("min-max ms", "ttft_ms", "{0[min]:.0f}-{0[max]:.0f}"),
