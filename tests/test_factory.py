@@ -253,6 +253,30 @@ def test_qwen25_05b_preset_matches_published_config():
     assert parameter_count(preset) == 494_032_768
 
 
+def test_qwen25_7b_preset_matches_published_config():
+    """Qwen2.5-7B-Instruct's shape: 28 layers of 3584, GQA 28 over 4 heads of 128, an untied head: 7.62B parameters."""
+    preset = PRESETS["qwen2.5-7b"]
+    assert {key: preset[key] for key in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                         "num_attention_heads", "num_key_value_heads", "vocab_size",
+                                         "tie_word_embeddings", "rope_theta", "max_position_embeddings")} == {
+        "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+        "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False, "rope_theta": 1000000.0,
+        "max_position_embeddings": 32768}
+    assert parameter_count(preset) == 7_615_616_512
+    assert "lm_head.weight" in checkpoint.tensor_shapes(preset)
+
+
+def test_tokenizer_from_copies_another_models_tokenizer(tiny_dir, tmp_path, monkeypatch):
+    """Where dashscope is missing (a GPU machine), a model written elsewhere lends its tokenizer files."""
+    monkeypatch.setattr(tokenizer, "qwen_vocab_path", lambda: (_ for _ in ()).throw(ImportError("no dashscope")))
+    out = make_model("tiny", tmp_path / "copied", tokenizer_from=tiny_dir)
+    for name in checkpoint.TOKENIZER_FILES:
+        assert (out / name).read_bytes() == (tiny_dir / name).read_bytes()
+    with pytest.raises(FileNotFoundError, match=r"tokenizer_from: .*tokenizer.json, .*tokenizer_config.json not found"):
+        make_model("tiny", tmp_path / "none", tokenizer_from=tmp_path)
+    assert not (tmp_path / "none").exists()
+
+
 def test_ensure_default_model_writes_once(module_cache, monkeypatch):
     written = []
 

@@ -37,6 +37,9 @@ def _build_parser() -> argparse.ArgumentParser:
     make.add_argument("--out", required=True, help="output directory")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    make.add_argument("--tokenizer-from", default=None,
+                      help="copy tokenizer.json and tokenizer_config.json from this directory (default: build the "
+                           "Qwen2.5 tokenizer from the dashscope package's vocabulary)")
 
     gen = commands.add_parser("generate", help="stream a completion for one prompt")
     gen.add_argument("prompt")
@@ -101,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 def _make_model(args) -> int:
     from mini_infer.factory import make_model
 
-    path = make_model(args.preset, args.out, seed=args.seed, dtype=args.dtype)
+    path = make_model(args.preset, args.out, seed=args.seed, dtype=args.dtype, tokenizer_from=args.tokenizer_from)
     print(f"wrote the {args.preset} preset with random weights (seed {args.seed}, {args.dtype}) to {path}")
     return 0
 

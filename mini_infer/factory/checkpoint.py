@@ -48,9 +48,24 @@ _QWEN25_05B = {
     "vocab_size": 151936,
 }
 
+# Qwen2.5-7B-Instruct's config: GQA of 28 query heads over 4 KV heads of 128, an untied LM head.
+_QWEN25_7B = {
+    **_QWEN25_05B,
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "max_window_layers": 28,
+    "num_attention_heads": 28,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 4,
+    "sliding_window": 131072,
+    "tie_word_embeddings": False,
+    "vocab_size": 152064,
+}
+
 # Configs in the published layout. "tiny" keeps the real vocabulary so the real tokenizer fits it.
 PRESETS: dict[str, dict] = {
     "qwen2.5-0.5b": _QWEN25_05B,
+    "qwen2.5-7b": _QWEN25_7B,
     "tiny": {
         **_QWEN25_05B,
         "hidden_size": 64,
@@ -121,6 +136,7 @@ GENERATION_CONFIG = {
 }
 
 BIAS_STD = 0.02
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 NORM_STD = 0.1
 
 
@@ -249,11 +265,14 @@ def make_model(
     dtype: str = "bfloat16",
     layout: str = "published",
     overrides: dict | None = None,
+    tokenizer_from: str | os.PathLike | None = None,
 ) -> Path:
     """Write a random-weight checkpoint (config, generation config, weights, tokenizer) to out_dir.
 
-    Files are written to a temp dir beside out_dir and renamed into place, so out_dir either
-    does not exist or holds a complete model.
+    The tokenizer is built from the `dashscope` package's Qwen2.5 vocabulary, or copied (tokenizer.json and
+    tokenizer_config.json) from the directory `tokenizer_from` (a machine without that package: one model written
+    elsewhere lends its tokenizer). Files are written to a temp dir beside out_dir and renamed into place, so out_dir
+    either does not exist or holds a complete model.
     """
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
@@ -264,6 +283,10 @@ def make_model(
     out_dir = Path(out_dir)
     _check_out_dir_free(out_dir)
     config = copy.deepcopy(PRESETS[preset]) | (overrides or {}) | {"torch_dtype": dtype}
+    tokenizer_files = [Path(tokenizer_from) / name for name in TOKENIZER_FILES] if tokenizer_from else []
+    missing = [str(path) for path in tokenizer_files if not path.is_file()]
+    if missing:
+        raise FileNotFoundError(f"tokenizer_from: {', '.join(missing)} not found")
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.partial-"))
@@ -274,7 +297,11 @@ def make_model(
         save_file(weights, staging / "model.safetensors", metadata={"format": "pt"})
         (staging / "model.safetensors").chmod(0o644)  # safetensors creates it owner-only
         del weights  # ~1 GB for the 0.5B preset; free it before the tokenizer copy
-        write_tokenizer(staging)
+        if tokenizer_files:
+            for path in tokenizer_files:
+                shutil.copyfile(path, staging / path.name)
+        else:
+            write_tokenizer(staging)
         staging.chmod(0o755)  # mkdtemp creates it owner-only
         _rename_into_place(staging, out_dir)
     except BaseException:
