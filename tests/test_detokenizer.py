@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mini_infer import SamplingParams
-from mini_infer.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
+from mini_infer.engine.detokenizer import IncrementalDetokenizer, load_tokenizer, raw_decoder
 from mini_infer.engine.stop import find_stop_string
 
 TEXT = "Paged attention 🦙🚀 naïve café — 鬱鬱蔥蔥 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 done."
@@ -72,3 +72,26 @@ def test_text_that_may_start_a_stop_string_is_held_back(tokenizer):
     assert detok.output_text == "one two three"
     assert detok.visible_text(finished=False) == "one two three"[: -len("four five") + 1]
     assert detok.visible_text(finished=True) == "one two three"
+
+
+def test_raw_decoder_gives_the_tokenizers_text(tokenizer):
+    """The Rust tokenizer's decode, called without transformers' wrapper, gives the wrapper's text to the character,
+    special tokens skipped or kept, across split UTF-8 characters; a tokenizer that cleans up spaces keeps the
+    wrapper."""
+    ids = tokenizer.encode(TEXT + " <|im_end|> (x) , ok !", add_special_tokens=False)
+    decode = raw_decoder(tokenizer)
+    assert decode is not None and not tokenizer.clean_up_tokenization_spaces
+    for skip in (True, False):
+        for end in range(len(ids) + 1):
+            for start in (0, end // 2):
+                assert decode(ids[start:end], skip) == tokenizer.decode(ids[start:end], skip_special_tokens=skip)
+    calls = []
+
+    class Cleaning:
+        clean_up_tokenization_spaces = True
+        backend_tokenizer = object()
+
+        def decode(self, ids, skip_special_tokens):
+            calls.append(ids)
+            return "wrapped"
+    assert raw_decoder(Cleaning())([1, 2], True) == "wrapped" and calls == [[1, 2]]

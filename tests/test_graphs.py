@@ -39,6 +39,7 @@ def test_fill_copies_the_batch_and_pads_the_rest():
     """Rows 0..n-1 hold the step, rows n..size-1 the padding (slot -1, context 0), whatever an earlier, larger step
     left there; past `size` nothing is written."""
     static = StaticInputs.allocate(16, 6, torch.device("cpu"))
+    assert (static.rows(16)[2] == -1).all()  # what a graph's capture runs on stores nothing
     for buffer in static.device.values():
         buffer.fill_(-7)
     static.fill(decode_inputs(5, 3), 8)

@@ -16,7 +16,7 @@ import torch
 
 from mini_infer.config import EngineConfig
 from mini_infer.distributed.comm import Comm
-from mini_infer.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
+from mini_infer.engine.detokenizer import IncrementalDetokenizer, load_tokenizer, raw_decoder
 from mini_infer.engine.group import RequestGroup, child_id, child_params
 from mini_infer.engine.input_processor import InputProcessor, PromptType
 from mini_infer.engine.kv_cache import KVCacheManager
@@ -51,6 +51,7 @@ class LLMEngine:
         self.config = config
         model_dir = Path(config.model)
         self.tokenizer = load_tokenizer(model_dir)
+        self._decode = raw_decoder(self.tokenizer) if self.tokenizer is not None else None
         num_blocks = config.resolved_num_kv_blocks()
         self.processor = InputProcessor(config, self.tokenizer, num_blocks)
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.max_num_seqs, config.max_blocks_per_seq,
@@ -117,7 +118,8 @@ class LLMEngine:
     def _request(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams,
                  max_tokens: int, index: int, group_id: str | None,
                  grammar: xgr.CompiledGrammar | None) -> Request:
-        detokenizer = IncrementalDetokenizer(self.tokenizer, params) if self.tokenizer is not None else None
+        detokenizer = (IncrementalDetokenizer(self.tokenizer, params, self._decode) if self.tokenizer is not None
+                       else None)
         request = Request(request_id=request_id, prompt=text, prompt_token_ids=token_ids, params=params,
                           max_tokens=max_tokens, eos_token_ids=frozenset() if params.ignore_eos
                           else self.processor.eos_token_ids, detokenizer=detokenizer, index=index, group_id=group_id)

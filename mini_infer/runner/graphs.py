@@ -62,8 +62,11 @@ class StaticInputs:
         shapes = {"input_ids": (rows,), "positions": (rows,), "slot_mapping": (rows,), "context_lens": (rows,),
                   "block_tables": (rows, max_blocks)}
         pinned = device.type == "cuda"
-        return cls({name: torch.zeros(shape, dtype=torch.int64, pin_memory=pinned) for name, shape in shapes.items()},
-                   {name: torch.zeros(shape, dtype=torch.int64, device=device) for name, shape in shapes.items()})
+        static = cls({name: torch.zeros(shape, dtype=torch.int64, pin_memory=pinned) for name, shape in shapes.items()},
+                     {name: torch.zeros(shape, dtype=torch.int64, device=device) for name, shape in shapes.items()})
+        for buffers in (static.host, static.device):  # the capture-time runs store nothing in the caches
+            buffers["slot_mapping"].fill_(-1)
+        return static
 
     def fill(self, inputs: StepInputs, size: int) -> None:
         """Copy a decode step's inputs (n requests, one token each) into the first n rows and pad rows n..size-1 (slot
