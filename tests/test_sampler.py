@@ -11,7 +11,8 @@ import torch
 
 from mini_infer import SamplingParams
 from mini_infer.runner.plan import NewRequest
-from mini_infer.runner.sampler import Sampler
+from mini_infer.runner.graphs import HostSyncRefused, _RefuseHostSyncs
+from mini_infer.runner.sampler import CANDIDATES, Sampler
 
 CPU = torch.device("cpu")
 
@@ -540,3 +541,30 @@ def test_logprobs_of_low_precision_logits_are_computed_in_float32():
 def test_batch_without_logprobs_gets_none():
     out = BatchSampler(5, CPU, 0)(torch.zeros(3, 5), [make_request(SamplingParams()) for _ in range(3)])
     assert out.logprobs == [None, None, None]
+
+
+class _NoDeviceReads(_RefuseHostSyncs):
+    """Refuses reading a device value on the host mid-sampling (what would stall a GPU step); host data going in is
+    fine outside a graph."""
+
+    REFUSED = _RefuseHostSyncs.REFUSED - {"lift_fresh"}
+
+
+def test_sampling_reads_nothing_back_but_a_nucleus_past_its_candidates():
+    """Greedy, plain temperature, min_p, top-k (small and past CANDIDATES) and penalised rows in one batch decide
+    every branch on the host: the ids are the one read-back (the runner's .tolist()). A nucleus without top_k reads
+    back whether it fits its candidates."""
+    vocab = CANDIDATES + 500
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(0))
+    rows = [make_request(SamplingParams(temperature=0.0)),
+            make_request(SamplingParams(temperature=0.7)),
+            make_request(SamplingParams(temperature=0.7, min_p=0.1)),
+            make_request(SamplingParams(temperature=0.7, top_k=5, top_p=0.9)),
+            make_request(SamplingParams(temperature=0.7, top_k=CANDIDATES + 10)),
+            make_request(SamplingParams(temperature=0.7, repetition_penalty=1.3), prompt=(3, 4), seed=4)]
+    sampler = BatchSampler(vocab, CPU, seed=0)
+    with _NoDeviceReads():
+        tokens = sampler(logits, rows).token_ids
+    assert len(tokens) == 6 and tokens[0] == logits[0].argmax()
+    with pytest.raises(HostSyncRefused), _NoDeviceReads():
+        sampler(logits[:1], [make_request(SamplingParams(temperature=0.7, top_p=0.5))])

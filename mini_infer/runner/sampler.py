@@ -287,8 +287,19 @@ class Sampler:
             tokens[greedy] = self.argmax(logits[greedy])
         picked = index[rows]
         filters = _Filters(self._top_k[picked], column("top_p", picked), column("min_p", picked).log())
-        tokens[rows] = _draw(logits[rows] if greedy else logits, filters, self._uniforms([slots[i] for i in rows]))
+        kinds = [self._draw_kind(params[i]) for i in rows]
+        tokens[rows] = _draw(logits[rows] if greedy else logits, filters, self._uniforms([slots[i] for i in rows]),
+                             kinds, [self._kept(params[i]) for i in rows])
         return tokens
+
+    def _draw_kind(self, params: SamplingParams) -> str:
+        """How _draw samples a row, decided on the host from its parameters: "plain" (temperature alone, or min_p),
+        "top_k" (top_k <= CANDIDATES, top_p too or not), "top_p" (a nucleus without top_k), "sorted" (a larger
+        top_k: the row's vocabulary sorted)."""
+        kept = self._kept(params)
+        if kept < self.vocab_size:
+            return "top_k" if kept <= CANDIDATES else "sorted"
+        return "top_p" if params.top_p < 1 else "plain"
 
     def _uniforms(self, slots: list[int]) -> torch.Tensor:
         """One draw in (0, 1] per row: a seeded request's from its own generator (so its samples do not depend on
@@ -325,34 +336,47 @@ class _Filters:
     top_p: torch.Tensor  # [n]
     log_min_p: torch.Tensor  # [n], -inf when off
 
-    def rows(self, mask: torch.Tensor) -> _Filters:
-        return _Filters(self.top_k[mask], self.top_p[mask], self.log_min_p[mask])
+    def rows(self, index: torch.Tensor) -> _Filters:
+        return _Filters(self.top_k[index], self.top_p[index], self.log_min_p[index])
 
 
-def _draw(scaled: torch.Tensor, filters: _Filters, u: torch.Tensor) -> torch.Tensor:
+def _draw(scaled: torch.Tensor, filters: _Filters, u: torch.Tensor, kinds: list[str],
+          kept: list[int]) -> torch.Tensor:
     """Sample a token per row of temperature-scaled logits, after min_p, top_k and top_p, by inverse CDF.
 
-    Rows with top_k (or top_p) work on their top-k (or CANDIDATES) likeliest tokens only, found without a sort
-    of the vocabulary; a row whose nucleus reaches past its candidates, or whose top_k is larger, sorts it."""
+    Rows are grouped by their kind (Sampler._draw_kind, known on the host, so no value on the device decides a branch):
+    top_k rows draw from their top-k likeliest tokens, found without a sort of the vocabulary; top_p rows from their
+    CANDIDATES likeliest, unless their nucleus reaches past those (the one case read back from the device: those
+    rows then sort); sorted rows sort the vocabulary; plain rows draw from it whole. `kept`: each row's top_k, the
+    vocabulary size when off."""
     n, vocab = scaled.shape
     # min_p keeps p >= min_p * p_max, that is logit >= max logit + log(min_p).
     threshold = scaled.amax(dim=-1) + filters.log_min_p
-    limited, nucleus = filters.top_k < vocab, filters.top_p < 1
     tokens = torch.empty(n, dtype=torch.int64, device=scaled.device)
-    candidate = (limited & (filters.top_k <= CANDIDATES)) | (~limited & nucleus)
-    done = torch.zeros(n, dtype=torch.bool, device=scaled.device)
-    if candidate.any():
-        rows = candidate.nonzero()[:, 0]
-        k_limited = filters.top_k[rows][limited[rows]]
-        width = min(vocab, CANDIDATES if (~limited[rows]).any() else int(k_limited.max()))
-        values, ids = scaled[rows].topk(width, dim=-1)
-        picked, exact = _draw_candidates(values, ids, threshold[rows], filters.rows(rows), u[rows], vocab,
-                                         scaled[rows])
-        tokens[rows[exact]] = picked[exact]
-        done[rows[exact]] = True
-    rest = (~done).nonzero()[:, 0]
-    if len(rest):
-        tokens[rest] = _draw_full(scaled[rest], threshold[rest], filters.rows(rest), u[rest])
+
+    def rows_of(kind: str) -> list[int]:
+        return [i for i, each in enumerate(kinds) if each == kind]
+
+    def index(rows: list[int]) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.int64, device=scaled.device)
+
+    if rows := rows_of("plain"):
+        at = index(rows)
+        tokens[at] = _draw_plain(scaled[at], threshold[at], u[at])
+    if rows := rows_of("top_k"):
+        at = index(rows)
+        values, ids = scaled[at].topk(max(kept[i] for i in rows), dim=-1)
+        tokens[at], _ = _draw_candidates(values, ids, threshold[at], filters.rows(at), u[at], vocab)
+    sorted_rows = index(rows_of("sorted"))
+    if rows := rows_of("top_p"):
+        at = index(rows)
+        values, ids = scaled[at].topk(min(vocab, CANDIDATES), dim=-1)
+        picked, exact = _draw_candidates(values, ids, threshold[at], filters.rows(at), u[at], vocab, scaled[at])
+        tokens[at] = picked
+        sorted_rows = torch.cat([sorted_rows, at[~exact]])  # the nuclei past their candidates, redrawn sorted
+    if len(sorted_rows):
+        tokens[sorted_rows] = _draw_sorted(scaled[sorted_rows], threshold[sorted_rows], filters.rows(sorted_rows),
+                                           u[sorted_rows])
     return tokens
 
 
@@ -382,27 +406,24 @@ def _draw_candidates(values, ids, threshold, filters: _Filters, u, vocab: int,
     return ids.gather(1, _inverse_cdf(weights * keep, u)[:, None])[:, 0], exact
 
 
-def _draw_full(scaled, threshold, filters: _Filters, u) -> torch.Tensor:
-    """The same over the whole vocabulary, sorting it for the rows that need their top-k or nucleus."""
+def _draw_plain(scaled, threshold, u) -> torch.Tensor:
+    """Rows without top_k or top_p: the draw over the whole vocabulary (min_p's threshold applied)."""
+    return _inverse_cdf((scaled - scaled.amax(dim=-1, keepdim=True)).exp() * (scaled >= threshold[:, None]), u)
+
+
+def _draw_sorted(scaled, threshold, filters: _Filters, u) -> torch.Tensor:
+    """Rows whose top-k or nucleus needs the vocabulary sorted: the draw over it in rank order."""
     weights = (scaled - scaled.amax(dim=-1, keepdim=True)).exp() * (scaled >= threshold[:, None])
-    ranked = (filters.top_k < scaled.shape[1]) | (filters.top_p < 1)
-    tokens = torch.empty(len(scaled), dtype=torch.int64, device=scaled.device)
-    plain = (~ranked).nonzero()[:, 0]
-    if len(plain):
-        tokens[plain] = _inverse_cdf(weights[plain], u[plain])
-    rows = ranked.nonzero()[:, 0]
-    if len(rows):
-        sorted_weights, order = weights[rows].sort(dim=-1, descending=True)
-        drop = torch.arange(scaled.shape[1], device=scaled.device)[None, :] >= filters.top_k[rows][:, None]
-        sorted_weights = sorted_weights.masked_fill(drop, 0)
-        probs = sorted_weights / sorted_weights.sum(dim=-1, keepdim=True)
-        mass_before = probs.cumsum(dim=-1) - probs
-        top_p = filters.top_p[rows][:, None]
-        drop = (top_p < 1) & (mass_before >= top_p)
-        drop[:, 0] = False
-        picked = _inverse_cdf(sorted_weights.masked_fill(drop, 0), u[rows])
-        tokens[rows] = order.gather(1, picked[:, None])[:, 0]
-    return tokens
+    sorted_weights, order = weights.sort(dim=-1, descending=True)
+    drop = torch.arange(scaled.shape[1], device=scaled.device)[None, :] >= filters.top_k[:, None]
+    sorted_weights = sorted_weights.masked_fill(drop, 0)
+    probs = sorted_weights / sorted_weights.sum(dim=-1, keepdim=True)
+    mass_before = probs.cumsum(dim=-1) - probs
+    top_p = filters.top_p[:, None]
+    drop = (top_p < 1) & (mass_before >= top_p)
+    drop[:, 0] = False
+    picked = _inverse_cdf(sorted_weights.masked_fill(drop, 0), u)
+    return order.gather(1, picked[:, None])[:, 0]
 
 
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
