@@ -66,8 +66,7 @@ class Ops:
     quant_tuners: dict[quant.Scheme, LinearTuner] = field(default_factory=dict)  # made on first use
     chosen: dict[str, list[str]] = field(default_factory=dict)  # per weight prepared (shape, scheme): its winners
     dtype: torch.dtype = torch.float32  # the model's (its activations')
-    graph_safe: bool = False  # a decode step reads tensors alone (the torch decode path's host lists aside, the CPU
-    # has no graphs to replay)
+    graph_safe: bool = False  # CUDA graphs are the GPU backend's (model/triton_ops.py)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | cpu.PackedWeight | TunedWeight,
                bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -39,6 +39,25 @@ def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
 
 
 @triton.jit
+def _attend_tile(query, k_cache, v_cache, table, tokens, valid, visible, kv_head, dims, m_i, l_i, acc, qk_scale,
+                 cache_stride_block, cache_stride_slot, cache_stride_head, BLOCK_SIZE: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """One tile of context tokens (those `valid`, at least one) into the online softmax of the query rows: each row
+    weighs the tokens `visible` to it. Returns the running maximum, sum and weighted values."""
+    block = tl.load(table + tokens // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    rows_at = block * cache_stride_block + (tokens % BLOCK_SIZE) * cache_stride_slot + kv_head * cache_stride_head
+    keys = tl.load(k_cache + rows_at[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+    scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION) * qk_scale
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    values = tl.load(v_cache + rows_at[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values, input_precision=PRECISION)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
 def _decode_kernel(q, k_cache, v_cache, block_tables, context_lens, out, part_m, part_l, part_acc, qk_scale,
                    q_stride_t, q_stride_h, bt_stride, cache_stride_block, cache_stride_slot, cache_stride_head,
                    out_stride_t, out_stride_h, num_heads,
@@ -64,18 +83,9 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, context_lens, out, part_m,
     for start in range(lo, hi, BLOCK_N):
         tokens = start + tl.arange(0, BLOCK_N)
         valid = tokens < hi
-        block = tl.load(table + tokens // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        rows_at = block * cache_stride_block + (tokens % BLOCK_SIZE) * cache_stride_slot + kv_head * cache_stride_head
-        keys = tl.load(k_cache + rows_at[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-        scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION) * qk_scale
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        values = tl.load(v_cache + rows_at[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(query, k_cache, v_cache, table, tokens, valid, valid[None, :], kv_head, dims,
+                                     m_i, l_i, acc, qk_scale, cache_stride_block, cache_stride_slot, cache_stride_head,
+                                     BLOCK_SIZE, PRECISION)
     if NUM_SPLITS == 1:
         result = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
         tl.store(out + seq * out_stride_t + heads[:, None] * out_stride_h + dims[None, :],
@@ -184,20 +194,11 @@ def _prefill_kernel(q, k_cache, v_cache, block_tables, context_lens, query_start
     for start in range(0, hi, BLOCK_N):
         tokens = start + tl.arange(0, BLOCK_N)
         valid = tokens < hi
-        block = tl.load(table + tokens // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        rows_at = block * cache_stride_block + (tokens % BLOCK_SIZE) * cache_stride_slot + kv_head * cache_stride_head
-        keys = tl.load(k_cache + rows_at[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-        scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION) * qk_scale
+        # Every row sees token 0 in the first tile, so its running maximum is finite from there on.
         visible = valid[None, :] & (tokens[None, :] <= positions[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        # Every row sees token 0 in the first tile, so m_new is finite from there on.
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        values = tl.load(v_cache + rows_at[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(query, k_cache, v_cache, table, tokens, valid, visible, kv_head, dims, m_i, l_i,
+                                     acc, qk_scale, cache_stride_block, cache_stride_slot, cache_stride_head,
+                                     BLOCK_SIZE, PRECISION)
     result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out + token_rows[:, None] * out_stride_t + head * out_stride_h + dims[None, :],
              result.to(out.dtype.element_ty), mask=row_mask[:, None])
