@@ -35,8 +35,8 @@ PARITY_CONFIGS = {
 def build_hf_model(seed: int = 0, vocab_size: int = 1000, *, architecture: str = "qwen2", rope_scaling=None,
                    **overrides):
     """A transformers Qwen2ForCausalLM (or Qwen3ForCausalLM / LlamaForCausalLM, `architecture="qwen3"` / `"llama"`;
-    `rope_scaling`: llama3 parameters) in float64 with every tensor randomised: HF's init leaves biases at 0 and norm weights at 1, which
-    would hide loading bugs there."""
+    `rope_scaling`: llama3 parameters) in float64 with every tensor randomised: HF's init leaves biases at 0 and norm
+    weights at 1, which would hide loading bugs there."""
     import transformers
 
     settings = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=160, num_hidden_layers=2,

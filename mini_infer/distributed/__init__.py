@@ -1,1 +1,2 @@
-"""Communication primitives the model uses: its shard of the layers, the process groups, the shared-memory all-reduce."""
+"""Communication primitives the model uses: its shard of the layers, the process groups, the shared-memory
+all-reduce."""
