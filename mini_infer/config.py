@@ -356,9 +356,9 @@ class EngineConfig:
                 raise ValueError(f"quantization {self.quantization!r} runs bfloat16, float16 or float32 models on the "
                                  f"CPU, not {self.torch_dtype} on {self.device}")
             if self.quantization == "int8" and (self.cpu_kernels == "off" or self.torch_dtype == torch.float16):
-                raise ValueError("quantization 'int8' runs on mini-infer's native kernels only (torch has no group-wise "
-                                 "int8 CPU matmul): it needs cpu_kernels 'auto' or 'on' and a bfloat16 or float32 "
-                                 f"model, not cpu_kernels {self.cpu_kernels!r} with {self.torch_dtype}")
+                raise ValueError("quantization 'int8' runs on mini-infer's native kernels only (torch has no "
+                                 "group-wise int8 CPU matmul): it needs cpu_kernels 'auto' or 'on' and a bfloat16 or "
+                                 f"float32 model, not cpu_kernels {self.cpu_kernels!r} with {self.torch_dtype}")
         self._check_gpu_kernels()
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             _positive(name, getattr(self, name))

@@ -262,7 +262,8 @@ def test_router_sends_each_request_to_the_least_loaded_replica(tiny_model_dir):
         assert {rid: c.finish_reason for rid, c in finished.items()} == \
             {"long": "abort", "short-a": "length", "short-b": "length"}
         assert [len(finished[r].token_ids) for r in ("short-a", "short-b")] == [20, 20]
-        assert engine.loads() == [0, 0] and engine.scheduler_state()[:3] == (0, 0, 0.0)
+        stats = engine.stats()
+        assert engine.loads() == [0, 0] and (stats.running, stats.waiting, stats.kv_cache_usage) == (0, 0, 0.0)
     finally:
         engine.shutdown()
     assert descendants(os.getpid()) == []

@@ -38,7 +38,7 @@ def decode_plans(engine: LLMEngine, num_requests: int, prompt_len: int, steps: i
     plans = []
     for _ in range(steps):
         plan = engine.scheduler.schedule()
-        engine._process(plan, engine._execute(plan))
+        engine._outputs(engine.scheduler.update(plan, engine.executor.execute(plan)))
         plans.append(plan)
     return plans
 
@@ -72,10 +72,10 @@ def test_a_new_request_travels_once_as_plain_data(engine):
     assert classes_in(pickle.dumps(first)) <= {"mini_infer.runner.plan.StepPlan", "mini_infer.runner.plan.NewRequest",
                                                "mini_infer.sampling_params.SamplingParams",
                                                "mini_infer.sampling_params.RequestOutputKind"}
-    engine._process(first, engine._execute(first))
+    engine._outputs(engine.scheduler.update(first, engine.executor.execute(first)))
     second = engine.scheduler.schedule()
     assert not second.new_requests and second.new_token_ids == {"a": [engine.requests["a"].output_token_ids[-1]]}
-    engine._process(second, engine._execute(second))
+    engine._outputs(engine.scheduler.update(second, engine.executor.execute(second)))
     engine.abort_request("a")
     third = engine.scheduler.schedule()
     assert third.finished_ids == ["a"] and not third.request_ids

@@ -94,7 +94,7 @@ def test_chunked_step_never_exceeds_the_budget_and_decodes_come_first(shared):
         decodes = [r.num_tokens - r.num_computed_tokens == 1 for r in requests]
         assert decodes == sorted(decodes, reverse=True)  # every decode before every prompt chunk
         saw_mixed |= any(decodes) and not all(decodes)
-        engine._process(scheduled, engine._execute(scheduled))
+        engine._outputs(engine.scheduler.update(scheduled, engine.executor.execute(scheduled)))
         assert len(lens) == len(scheduled.request_ids)
     assert saw_mixed
 

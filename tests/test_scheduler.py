@@ -8,30 +8,33 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from conftest import build_hf_model, save_hf_model
+from mini_infer.config import DEFAULT_CHUNKED_BUDGET, EngineConfig
 from mini_infer.engine.kv_cache import KVCacheManager
 from mini_infer.engine.llm_engine import LLMEngine
 from mini_infer.engine.request import Request, RequestStatus
 from mini_infer.engine.scheduler import Scheduler
 from mini_infer.runner.plan import StepPlan
+from mini_infer.runner.sampler import SamplerOutput
 from mini_infer.sampling_params import SamplingParams
 
 SAMPLED_TOKEN = 7
 
 
 def make_request(request_id: str, prompt_len: int, max_tokens: int = 8) -> Request:
-    return Request(request_id=request_id, prompt=None, prompt_token_ids=list(range(1, prompt_len + 1)),
+    """A prompt of its own (no two requests share a prefix the cache could serve)."""
+    first = 1000 * (sum(map(ord, request_id)) % 97 + 1)
+    return Request(request_id=request_id, prompt=None, prompt_token_ids=list(range(first, first + prompt_len)),
                    params=SamplingParams(max_tokens=max_tokens, ignore_eos=True), max_tokens=max_tokens,
                    eos_token_ids=frozenset(), detokenizer=None)
 
 
 def make_scheduler(num_blocks: int, block_size: int, max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
-                   max_blocks_per_seq: int = 64) -> Scheduler:
+                   max_blocks_per_seq: int = 64, **settings) -> Scheduler:
+    """A scheduler as the engine builds it by default (chunked prefill, prefix caching), but for these sizes."""
     kv = KVCacheManager(num_blocks, block_size, max_num_seqs, max_blocks_per_seq)
-    return Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    return Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, **settings)
 
 
 @dataclass
@@ -52,14 +55,18 @@ def schedule(scheduler: Scheduler) -> Scheduled:
     return Scheduled(plan, [known[rid] for rid in plan.request_ids], [known[rid] for rid in plan.preempted_ids])
 
 
+def sampling_rows(scheduler: Scheduler, plan: StepPlan) -> int:
+    """How many requests the plan's step samples for: those it brings to their last token."""
+    running = {r.request_id: r for r in scheduler.running}
+    return sum(running[rid].num_computed_tokens + n == running[rid].num_tokens
+               for rid, n in zip(plan.request_ids, plan.num_new_tokens))
+
+
 def complete(scheduler: Scheduler, output: Scheduled) -> None:
-    """What LLMEngine.step does after the forward: count the computed tokens, append a sampled one, retire
-    requests that reached max_tokens."""
-    for request, num_new in zip(output.requests, output.num_new_tokens):
-        request.num_computed_tokens += num_new
-        request.output_token_ids.append(SAMPLED_TOKEN)
-        if request.num_output_tokens >= request.max_tokens:
-            scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
+    """What the engine does after the forward: the scheduler's update, with SAMPLED_TOKEN for every row that
+    samples (requests retire at max_tokens)."""
+    rows = sampling_rows(scheduler, output.plan)
+    scheduler.update(output.plan, SamplerOutput([SAMPLED_TOKEN] * rows, [None] * rows))
 
 
 def step(scheduler: Scheduler) -> Scheduled:
@@ -70,6 +77,13 @@ def step(scheduler: Scheduler) -> Scheduled:
 
 def ids(requests) -> list[str]:
     return [r.request_id for r in requests]
+
+
+def test_the_scheduler_defaults_are_the_engines():
+    scheduler, defaults = Scheduler(KVCacheManager(4, 4, 2, 4)), EngineConfig.__dataclass_fields__
+    assert scheduler.enable_chunked_prefill is defaults["enable_chunked_prefill"].default is True
+    assert scheduler.max_num_seqs == defaults["max_num_seqs"].default
+    assert scheduler.max_num_batched_tokens == DEFAULT_CHUNKED_BUDGET
 
 
 # ---- admission ----
@@ -85,25 +99,30 @@ def test_admission_respects_max_num_seqs():
     assert not second.is_prefill and ids(second.requests) == ["r0", "r1"] and second.num_new_tokens == [1, 1]
 
 
-def test_admission_respects_token_budget_of_one_prefill_step():
-    scheduler = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=13)
-    for i, n in enumerate([6, 7, 1]):
-        scheduler.add(make_request(f"r{i}", n))
-    first = step(scheduler)
-    assert ids(first.requests) == ["r0", "r1"] and first.num_tokens == 13  # the budget, exactly
-    second = step(scheduler)  # a new step, a new budget: the next prompt is prefilled before any decode
-    assert second.is_prefill and ids(second.requests) == ["r2"] and second.num_new_tokens == [1]
-
-
-def test_admission_is_first_come_first_served():
+def test_one_budget_takes_decodes_first_then_prompts_in_order():
+    """Running requests' decode tokens first, then waiting prompts in arrival order, while the budget lasts; a
+    prompt may take only part of it (a chunk) and finish in the next steps beside the decodes."""
     scheduler = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=12)
     for i, n in enumerate([5, 10, 1]):
         scheduler.add(make_request(f"r{i}", n))
     first = step(scheduler)
-    assert ids(first.requests) == ["r0"]  # r2 would fit the budget, but does not overtake r1
-    assert ids(scheduler.waiting) == ["r1", "r2"]
+    assert ids(first.requests) == ["r0", "r1"] and first.num_new_tokens == [5, 7]  # r1: a chunk of 7
+    assert ids(scheduler.waiting) == ["r2"]  # r2 fits nothing left: it does not overtake r1
+    second = step(scheduler)  # r0 decodes, r1 finishes its prompt, r2's prompt of one token: decodes first
+    assert ids(second.requests) == ["r0", "r2", "r1"] and second.num_new_tokens == [1, 1, 3]
+    assert second.is_prefill and second.num_tokens == 5
+    third = step(scheduler)
+    assert ids(third.requests) == ["r0", "r1", "r2"] and third.num_new_tokens == [1, 1, 1] and not third.is_prefill
+
+
+def test_without_chunked_prefill_a_prompt_is_admitted_whole():
+    scheduler = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=12, enable_chunked_prefill=False)
+    for i, n in enumerate([5, 10, 1]):
+        scheduler.add(make_request(f"r{i}", n))
+    first = step(scheduler)
+    assert ids(first.requests) == ["r0"]  # r1 does not fit whole, and r2 does not overtake it
     second = step(scheduler)
-    assert second.is_prefill and ids(second.requests) == ["r1", "r2"] and second.num_new_tokens == [10, 1]
+    assert ids(second.requests) == ["r0", "r2", "r1"] and second.num_new_tokens == [1, 1, 10]
 
 
 @pytest.mark.parametrize("num_blocks,admitted", [(4, False), (5, True)])
@@ -115,7 +134,7 @@ def test_admission_leaves_a_spare_block_per_running_request(num_blocks, admitted
     output = step(scheduler)
     # Admitting `new` leaves num_blocks - 4 free blocks; `old` needs one kept for its next decode.
     assert output.is_prefill is admitted
-    assert ids(output.requests) == (["new"] if admitted else ["old"])
+    assert ids(output.requests) == (["old", "new"] if admitted else ["old"])
     assert scheduler.kv_cache.num_free_blocks == (num_blocks - 4 if admitted else num_blocks - 1)
 
 
@@ -141,11 +160,10 @@ def test_continuous_batching_admits_while_others_decode():
     assert not second.is_prefill and ids(second.requests) == ["a", "b"]
     assert scheduler.kv_cache.block_ids("a") == []  # a finished: its blocks went back
     third = step(scheduler)  # c joins while b is mid-generation
-    assert third.is_prefill and ids(third.requests) == ["c"] and third.num_new_tokens == [5]
+    assert third.is_prefill and ids(third.requests) == ["b", "c"] and third.num_new_tokens == [1, 5]
     fourth = step(scheduler)
     assert not fourth.is_prefill and ids(fourth.requests) == ["b", "c"] and fourth.num_new_tokens == [1, 1]
-    assert [r.num_output_tokens for r in fourth.requests] == [3, 2]
-    assert ids(step(scheduler).requests) == ["b"]
+    assert [r.num_output_tokens for r in fourth.requests] == [4, 2] and all(r.finished for r in fourth.requests)
     assert not scheduler.has_unfinished()
     assert scheduler.kv_cache.num_free_blocks == 64
 
@@ -162,6 +180,27 @@ def test_finish_retires_waiting_and_running_requests():
     scheduler.finish(running, RequestStatus.FINISHED_ABORTED)
     assert not scheduler.running and scheduler.kv_cache.num_free_blocks == 8
     assert not scheduler.has_unfinished()
+
+
+def test_update_registers_filled_blocks_and_stops_on_stop_tokens():
+    """update() counts the computed tokens (a chunk samples nothing), registers the blocks they filled in the prefix
+    cache, appends each sampled token and retires a request at its stop token, its blocks returned."""
+    scheduler = make_scheduler(num_blocks=8, block_size=2, max_num_batched_tokens=4)
+    request = Request(request_id="r", prompt=None, prompt_token_ids=[1, 2, 3, 4, 5], params=SamplingParams(),
+                      max_tokens=10, eos_token_ids=frozenset({9}), detokenizer=None)
+    scheduler.add(request)
+    first = schedule(scheduler)
+    assert first.num_new_tokens == [4] and sampling_rows(scheduler, first.plan) == 0
+    update = scheduler.update(first.plan, None)
+    assert request.num_computed_tokens == 4 and not update.sampled and request.num_output_tokens == 0
+    assert scheduler.kv_cache.match_prefix([1, 2, 3, 4, 5]) == scheduler.kv_cache.block_ids("r")[:2]
+    second = schedule(scheduler)
+    update = scheduler.update(second.plan, SamplerOutput([6], [None]))
+    assert [(r.request_id, token) for r, token, _ in update.sampled] == [("r", 6)] and not update.finished
+    third = schedule(scheduler)
+    update = scheduler.update(third.plan, SamplerOutput([9], [None]))
+    assert update.finished == [request] and request.status is RequestStatus.FINISHED_STOPPED
+    assert request.output_token_ids == [6, 9] and scheduler.kv_cache.num_free_blocks == 8
 
 
 # ---- preemption ----
@@ -187,7 +226,8 @@ def test_decode_preempts_most_recent_request_to_front_of_queue():
 
 
 def test_several_victims_keep_their_relative_order_and_are_recomputed():
-    scheduler = make_scheduler(num_blocks=8, block_size=2)
+    # Without a prefix cache: the recompute below computes every token again.
+    scheduler = Scheduler(KVCacheManager(8, 2, 8, 64, enable_prefix_caching=False), max_num_batched_tokens=256)
     for name, max_tokens in [("a", 4), ("b", 4), ("c", 6), ("d", 6)]:
         scheduler.add(make_request(name, 2, max_tokens))
     assert ids(step(scheduler).requests) == ["a", "b", "c", "d"]
@@ -217,60 +257,16 @@ def test_admitted_request_is_not_preempted_by_the_next_decode_step():
     scheduler.add(make_request("old", 4))
     step(scheduler)  # old: 5 tokens in 1 block; its next decode needs a second block
     scheduler.add(make_request("new", 8))  # 2 blocks; after its prefill, 9 tokens need 3
-    previous = None
-    while scheduler.has_unfinished():
+    admitted_at = {}
+    for number in range(100):
+        if not scheduler.has_unfinished():
+            break
         output = step(scheduler)
-        if previous is not None and previous.is_prefill and not output.is_prefill:
-            thrown_away = set(ids(output.preempted)) & set(ids(previous.requests))
-            assert not thrown_away, f"{sorted(thrown_away)} preempted by the decode step right after its prefill"
-        previous = output
+        for request in output.requests:
+            admitted_at.setdefault(request.request_id, number)
+        thrown_away = [r.request_id for r in output.preempted if admitted_at.get(r.request_id) == number - 1]
+        assert not thrown_away, f"{thrown_away} preempted by the step right after its prefill"
     assert scheduler.kv_cache.num_free_blocks == 4
-
-
-@settings(max_examples=60, deadline=None)
-@given(num_blocks=st.integers(4, 12), block_size=st.integers(1, 4), max_num_seqs=st.integers(1, 4),
-       requests=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 8), st.integers(0, 6)), min_size=1,
-                         max_size=10))
-def test_random_workload_steps_are_well_formed_and_finish(num_blocks, block_size, max_num_seqs, requests):
-    """Every step is all-prefill (whole prompts, FCFS) or all-decode (one token each, the running queue in
-    order); victims are the newest running requests; every step makes progress; all blocks come back."""
-    capacity = num_blocks * block_size
-    requests = [(min(p, capacity - 1), min(m, capacity - min(p, capacity - 1)), t) for p, m, t in requests]
-    budget = max(p + m for p, m, _ in requests)
-    scheduler = make_scheduler(num_blocks, block_size, max_num_seqs, budget)
-    kv = scheduler.kv_cache
-    arrivals = sorted((t, f"r{i}", p, m) for i, (p, m, t) in enumerate(requests))
-    steps = 0
-    while arrivals or scheduler.has_unfinished():
-        while arrivals and (arrivals[0][0] <= steps or not scheduler.has_unfinished()):
-            _, name, p, m = arrivals.pop(0)
-            scheduler.add(make_request(name, p, m))
-        running_before, waiting_before = list(scheduler.running), list(scheduler.waiting)
-        output = schedule(scheduler)
-        assert output.requests, "a step with unfinished requests scheduled nothing"
-        if output.is_prefill:
-            assert output.requests == waiting_before[:len(output.requests)]
-            assert output.num_new_tokens == [r.num_tokens for r in output.requests]
-            assert output.num_tokens <= budget and not output.preempted
-            assert scheduler.running == running_before + output.requests
-        else:
-            assert output.num_new_tokens == [1] * len(output.requests)
-            assert output.requests == scheduler.running
-            assert running_before == output.requests + output.preempted[::-1]
-            assert list(scheduler.waiting) == output.preempted[::-1] + waiting_before
-            assert all(r.num_computed_tokens == 0 and kv.block_ids(r.request_id) == [] for r in output.preempted)
-        assert len(scheduler.running) <= max_num_seqs
-        for request in scheduler.running:  # scheduled ones hold every token; the others may lag by the last
-            owned = kv.num_blocks_owned(request.request_id)
-            if request in output.requests:
-                assert owned == kv.blocks_for(request.num_tokens)
-            else:
-                assert kv.blocks_for(request.num_tokens - 1) <= owned <= kv.blocks_for(request.num_tokens)
-        assert sum(kv.num_blocks_owned(r.request_id) for r in scheduler.running) + kv.num_free_blocks == num_blocks
-        complete(scheduler, output)
-        steps += 1
-        assert steps <= sum(m for _, m, _ in requests), "more steps than tokens to generate"
-    assert kv.num_free_blocks == num_blocks and kv.usage() == 0.0
 
 
 # ---- LLMEngine: rejection, abort, stress ----
@@ -330,6 +326,23 @@ def test_add_request_rejects_impossible_requests_and_keeps_serving(model_dir, pr
     finished = run_to_end(engine)
     assert {rid: len(o.outputs[0].token_ids) for rid, o in finished.items()} == {"ok-before": 4, "bad": 12}
     assert all(o.outputs[0].finish_reason == "length" for o in finished.values())
+    assert engine.kv_cache_usage() == 0.0
+
+
+def test_a_group_that_cannot_fit_the_cache_together_is_refused(model_dir):
+    """A group of n > 1 is preempted and re-admitted whole, so n completions that cannot be resident together would
+    never finish: refused, naming n (or best_of); one that fits (the prompt's full blocks shared) runs."""
+    engine = make_engine(model_dir)  # 8 blocks of 4
+    prompt = list(range(1, 10))  # 9 tokens: 2 full blocks shared by the completions
+    with pytest.raises(ValueError, match=r"3 completions \(n\) of a prompt of 9 tokens \+ max_tokens \(8\) need 11 KV "
+                                         r"blocks together but the whole cache has 8") as error:
+        engine.add_request("group", prompt, greedy(8, n=3))  # 5 blocks each at 17 tokens: 2 + 3 x 3
+    assert error.value.field == "n" and not engine.requests
+    with pytest.raises(ValueError, match=r"3 completions \(best_of\)"):
+        engine.add_request("best", prompt, greedy(8, n=1, best_of=3))
+    engine.add_request("fits", prompt, greedy(3, n=3))  # 3 blocks each at 12 tokens: 2 + 3 x 1
+    finished = run_to_end(engine)
+    assert [len(c.token_ids) for c in finished["fits"].outputs] == [3, 3, 3]
     assert engine.kv_cache_usage() == 0.0
 
 

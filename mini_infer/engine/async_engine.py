@@ -228,7 +228,7 @@ class AsyncLLMEngine:
 
     def _report_state(self) -> None:
         if self._metrics is not None:
-            self._metrics.on_state(*self.engine.scheduler_state())
+            self._metrics.on_state(self.engine.stats())
 
     def _fail_pending_commands(self, error: EngineDeadError) -> None:
         while True:

@@ -1,4 +1,4 @@
-"""Data parallel: N engine replicas in their own processes behind a router with LLMEngine's interface.
+"""Data parallel: N engine replicas in their own processes behind a router with LLMEngine's interface (EngineClient).
 
 create_engine(config) is what LLM, `serve` and `bench` call: one LLMEngine for data_parallel_size 1, else a
 DataParallelEngine. That router checks each new request itself (InputProcessor: a bad one fails at once, in the
@@ -27,15 +27,17 @@ import torch.multiprocessing as mp
 
 from mini_infer.config import EngineConfig
 from mini_infer.executor.ranks import STOP_GRACE_S, cpu_share
+from mini_infer.engine.client import EngineClient
 from mini_infer.engine.detokenizer import load_tokenizer
 from mini_infer.engine.input_processor import InputProcessor, PromptType
 from mini_infer.engine.llm_engine import LLMEngine
+from mini_infer.engine.scheduler import SchedulerStats
 from mini_infer.errors import InvalidRequestError, WorkerDiedError
 from mini_infer.outputs import CompletionOutput, RequestOutput
 from mini_infer.sampling_params import SamplingParams
 
 
-def create_engine(config: EngineConfig):
+def create_engine(config: EngineConfig) -> EngineClient:
     """An LLMEngine, or a DataParallelEngine of config.data_parallel_size replicas."""
     return DataParallelEngine(config) if config.data_parallel_size > 1 else LLMEngine(config)
 
@@ -47,14 +49,14 @@ class _Replica:
     reported_load: int = 0  # outstanding tokens at the replica's last report
     reported_seq: int = -1  # the last add that report included
     unreported: list[tuple[int, int]] = field(default_factory=list)  # (seq, work) of adds sent since
-    state: tuple = (0, 0, 0.0, 0, 0, 0)  # its scheduler_state()
+    stats: SchedulerStats = field(default_factory=SchedulerStats)  # at its last report
 
     @property
     def load(self) -> int:
         return self.reported_load + sum(work for _, work in self.unreported)
 
 
-class DataParallelEngine:
+class DataParallelEngine(EngineClient):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.tokenizer = load_tokenizer(Path(config.model))
@@ -124,19 +126,14 @@ class DataParallelEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._owner)
 
-    run_until_done = LLMEngine.run_until_done
-
     def get_num_unfinished_requests(self) -> int:
         return len(self._owner)
 
-    def kv_cache_usage(self) -> float:
-        """Mean over the replicas (each has a cache of the same size)."""
-        return sum(r.state[2] for r in self.replicas) / len(self.replicas)
-
-    def scheduler_state(self) -> tuple[int, int, float, int, int, int]:
-        """LLMEngine.scheduler_state summed over the replicas (KV usage: their mean)."""
-        totals = [sum(r.state[i] for r in self.replicas) for i in range(6)]
-        return totals[0], totals[1], self.kv_cache_usage(), totals[3], totals[4], totals[5]
+    def stats(self) -> SchedulerStats:
+        """The replicas' stats summed (KV cache usage: their mean, each cache being of the same size)."""
+        each = [r.stats for r in self.replicas]
+        total = {name: sum(getattr(s, name) for s in each) for name in SchedulerStats.__dataclass_fields__}
+        return SchedulerStats(**{**total, "kv_cache_usage": total["kv_cache_usage"] / len(each)})
 
     def loads(self) -> list[int]:
         """Each replica's outstanding work as the router sees it (tokens to prefill + tokens to generate)."""
@@ -216,7 +213,7 @@ class DataParallelEngine:
         while replica.conn.poll():
             kind, payload = self._receive_one(index)
             if kind == "outputs":
-                step_outputs, replica.state, replica.reported_load, replica.reported_seq = payload
+                step_outputs, replica.stats, replica.reported_load, replica.reported_seq = payload
                 replica.unreported = [(s, w) for s, w in replica.unreported if s > replica.reported_seq]
                 for output in step_outputs:
                     if output.finished:
@@ -288,7 +285,7 @@ def _replica_main(config: EngineConfig, index: int, count: int, conn: Connection
             if engine.has_unfinished_requests() or aborted or refused:
                 outputs, refused = refused + engine.step(), []
                 aborted = False
-                conn.send(("outputs", (outputs, engine.scheduler_state(), _outstanding(engine), last_seq)))
+                conn.send(("outputs", (outputs, engine.stats(), _outstanding(engine), last_seq)))
     except (EOFError, BrokenPipeError, ConnectionResetError):  # the router's process is gone
         engine.shutdown()
     except Exception as e:  # noqa: BLE001 - reported to the router, which raises it

@@ -126,6 +126,18 @@ class InputProcessor:
             raise InvalidRequestError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs "
                                       f"{blocks} KV blocks but the whole cache has {self.num_kv_blocks} "
                                       f"(block_size {block_size})", "max_tokens")
+        count = params.num_samples
+        if count > 1:
+            # A group is preempted and brought back whole (engine/scheduler.py), so its completions must fit the
+            # cache together at their longest, sharing the prompt's cached blocks (all but the last token's).
+            shared = (num_prompt_tokens - 1) // block_size if self.config.enable_prefix_caching else 0
+            together = shared + count * (blocks - shared)
+            if together > self.num_kv_blocks:
+                field = "best_of" if count > params.n else "n"
+                raise InvalidRequestError(f"{count} completions ({field}) of a prompt of {num_prompt_tokens} tokens + "
+                                          f"max_tokens ({max_tokens}) need {together} KV blocks together but the "
+                                          f"whole cache has {self.num_kv_blocks} (block_size {block_size}); they are "
+                                          "scheduled and preempted as one group", field)
         return max_tokens
 
 

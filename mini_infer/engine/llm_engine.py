@@ -6,51 +6,42 @@ of them reaches the scheduler, so the engine keeps serving everything else.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from mini_infer.config import EngineConfig
-from mini_infer.distributed.comm import Comm
+from mini_infer.engine.client import EngineClient
 from mini_infer.engine.detokenizer import IncrementalDetokenizer, load_tokenizer, raw_decoder
 from mini_infer.engine.group import RequestGroup, child_id, child_params
 from mini_infer.engine.input_processor import InputProcessor, PromptType
 from mini_infer.engine.kv_cache import KVCacheManager
 from mini_infer.engine.request import Request, RequestStatus
-from mini_infer.engine.scheduler import Scheduler
-from mini_infer.engine.stop import check_stop
-from mini_infer.engine.structured_output import allocate_bitmask
-from mini_infer.errors import InvalidRequestError, WorkerDiedError
-from mini_infer.executor.ranks import Ranks
+from mini_infer.engine.scheduler import Scheduler, SchedulerStats, StepUpdate
+from mini_infer.errors import InvalidRequestError
+from mini_infer.executor.executor import create_executor
 from mini_infer.outputs import CompletionOutput, Logprob, RequestOutput
 from mini_infer.profiling import profiled
 from mini_infer.runner.model_runner import ModelRunner
-from mini_infer.runner.plan import GrammarBitmask, StepPlan
-from mini_infer.runner.sampler import SamplerOutput
 from mini_infer.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     import xgrammar as xgr
 
-logger = logging.getLogger(__name__)
 
-
-class LLMEngine:
+class LLMEngine(EngineClient):
     """One engine replica: the scheduler and sampler here, the model on this process alone or, with tensor or
     pipeline parallelism, over ranks this process leads as rank 0 (data_parallel_size is for
-    mini_infer.engine.data_parallel.create_engine, which starts replicas of this)."""
+    mini_infer.engine.data_parallel.create_engine, which starts replicas of this). A step is schedule -> execute ->
+    update -> outputs."""
 
     def __init__(self, config: EngineConfig) -> None:
         if config.data_parallel_size != 1:
             raise ValueError("LLMEngine is one replica; build data_parallel_size > 1 with "
                              "mini_infer.engine.data_parallel.create_engine (LLM does)")
         self.config = config
-        model_dir = Path(config.model)
-        self.tokenizer = load_tokenizer(model_dir)
+        self.tokenizer = load_tokenizer(Path(config.model))
         self._decode = raw_decoder(self.tokenizer) if self.tokenizer is not None else None
         num_blocks = config.resolved_num_kv_blocks()
         self.processor = InputProcessor(config, self.tokenizer, num_blocks)
@@ -58,23 +49,18 @@ class LLMEngine:
                                        enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
-                                   enable_chunked_prefill=config.enable_chunked_prefill)
-        self.ranks = Ranks(config) if config.world_size > 1 else None
-        try:
-            comm = self.ranks.comm if self.ranks else Comm.local(config)
-            self.device = self.ranks.device if self.ranks else torch.device(config.device)
-            self.runner = ModelRunner(config, num_blocks, comm, self.device)
-            if self.ranks:
-                self.ranks.wait_ready()
-        except BaseException:
-            self.shutdown()
-            raise
+                                   enable_chunked_prefill=config.enable_chunked_prefill,
+                                   vocab_size=config.model_config.vocab_size)
+        self.executor = create_executor(config, num_blocks)
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, RequestGroup] = {}  # requests of n > 1, by their id (their children are in requests)
         self._child_groups: dict[str, str] = {}  # child request id -> its group's
-        self._constrained: set[str] = set()  # unfinished requests with structured outputs (a grammar)
         self._aborted_outputs: list[RequestOutput] = []
-        self._failure: WorkerDiedError | None = None
+
+    @property
+    def runner(self) -> ModelRunner:
+        """Rank 0's model runner (its batch, caches and sampler)."""
+        return self.executor.runner
 
     @classmethod
     def from_args(cls, model: str, **kwargs) -> LLMEngine:
@@ -127,7 +113,6 @@ class LLMEngine:
             # It may end on the model's EOS even with ignore_eos: a grammar that has ended ends its request.
             request.grammar = self.processor.grammars.matcher(
                 grammar, (*self.processor.eos_token_ids, *params.stop_token_ids))
-            self._constrained.add(request_id)
         return request
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
@@ -140,7 +125,6 @@ class LLMEngine:
                 request = self.requests.pop(cid, None)
                 if request is None:
                     continue
-                self._constrained.discard(cid)
                 if cid in waiting:  # never scheduled
                     request.status = RequestStatus.FINISHED_ABORTED
                 else:
@@ -152,27 +136,33 @@ class LLMEngine:
     # ---- the loop ----
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled forward; return the outputs of the requests it advanced (and of aborted ones)."""
-        if self._failure is not None:
-            raise WorkerDiedError(f"the engine has stopped: {self._failure}")
+        """Run one scheduled step; return the outputs of the requests it advanced (and of aborted ones)."""
         outputs, self._aborted_outputs = self._aborted_outputs, []
         with profiled("scheduler"):
             plan = self.scheduler.schedule()
-        if not (plan.request_ids or plan.finished_ids or plan.preempted_ids):
-            return self._grouped(outputs)
-        if self._constrained:
-            with profiled("structured_outputs"):
-                plan.grammar = self._grammar_bitmask(plan)
-        sampled = self._execute(plan)
-        with profiled("scheduler"):
-            outputs.extend(self._process(plan, sampled))
-            return self._grouped(outputs)
+        if plan.request_ids or plan.finished_ids or plan.preempted_ids:  # (a plan may only say who left)
+            sampled = self.executor.execute(plan)
+            with profiled("scheduler"):
+                outputs += self._outputs(self.scheduler.update(plan, sampled))
+        return self._grouped(outputs)
 
-    def run_until_done(self) -> Iterator[RequestOutput]:
-        """Step until no request is unfinished, yielding every step's outputs as they come: the one step loop of
-        every caller (LLM.generate, the CLI, the benchmarks)."""
-        while self.has_unfinished_requests():
-            yield from self.step()
+    def _outputs(self, update: StepUpdate) -> list[RequestOutput]:
+        """The step's outputs: each request that sampled, its logprobs recorded (a group's first completion's first
+        token lets the rest of the group start); the finished ones dropped from the engine's books."""
+        for request_id, (first, scored) in update.prompt_logprobs.items():
+            self._record_prompt_logprobs(self.requests[request_id], first, scored)
+        outputs = []
+        for request, token_id, logprobs in update.sampled:
+            if request.group_id is not None and request.num_output_tokens == 1 and request.index == 0:
+                self._release_waiting_children(request.group_id)
+            if logprobs is not None:
+                self._record_logprobs(request, token_id, logprobs)
+            output = _make_output(request)
+            if output is not None:
+                outputs.append(output)
+        for request in update.finished:
+            del self.requests[request.request_id]
+        return outputs
 
     def _grouped(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """The step's outputs with each group's children merged into one output of the group (dropped where it
@@ -197,76 +187,12 @@ class LLMEngine:
                     del self._child_groups[cid]
         return merged
 
-    def _grammar_bitmask(self, plan: StepPlan) -> GrammarBitmask | None:
-        """The tokens each structured-output request that samples in this step may take (None if none samples)."""
-        scheduled = ((self.requests[rid], num_new) for rid, num_new in zip(plan.request_ids, plan.num_new_tokens))
-        # In the sampled logits' order: the requests whose step computes their last token (as _process reads them).
-        sampling = [request for request, num_new in scheduled
-                    if request.num_computed_tokens + num_new >= request.num_tokens]
-        rows = [row for row, request in enumerate(sampling) if request.grammar is not None]
-        if not rows:
-            return None
-        bitmask = allocate_bitmask(len(sampling), self.config.model_config.vocab_size)
-        for row in rows:
-            sampling[row].grammar.fill(bitmask, row)
-        return GrammarBitmask(rows, bitmask)
-
     def _release_waiting_children(self, group_id: str) -> None:
         """The group's first child has computed the prompt (its blocks are cached): the others may start."""
         group = self.groups[group_id]
         for request in group.waiting:
             self.scheduler.add(request)
         group.waiting.clear()
-
-    def _execute(self, plan: StepPlan) -> SamplerOutput | None:
-        if self.ranks is None:
-            return self.runner.execute(plan)
-        try:
-            self.ranks.broadcast_step(plan)
-            return self.ranks.guard(self.runner.execute, plan)
-        except BaseException as e:  # the workers are stopped: this engine cannot step again
-            self._failure = e if isinstance(e, WorkerDiedError) else WorkerDiedError(f"a step failed: {e!r}")
-            raise
-
-    def _process(self, plan: StepPlan, sampled: SamplerOutput | None) -> list[RequestOutput]:
-        """Count the computed tokens (registering blocks they filled), append the sampled tokens, retire
-        finished requests and build the step's outputs (a prompt chunk that samples nothing has none)."""
-        outputs = []
-        rows = iter(zip(sampled.token_ids, sampled.logprobs)) if sampled is not None else iter(())
-        for request_id, (first, scored) in (sampled.prompt_logprobs or {}).items() if sampled is not None else ():
-            self._record_prompt_logprobs(self.requests[request_id], first, scored)
-        for request_id, num_new in zip(plan.request_ids, plan.num_new_tokens):
-            request = self.requests[request_id]
-            request.num_computed_tokens += num_new
-            self.kv_cache.cache_blocks(request_id, request.token_ids_slice, request.num_computed_tokens)
-            if request.num_computed_tokens < request.num_tokens:
-                continue  # a prompt chunk with more to come: nothing sampled
-            token_id, logprobs = next(rows)
-            request.output_token_ids.append(token_id)
-            if request.group_id is not None and request.num_output_tokens == 1 and request.index == 0:
-                self._release_waiting_children(request.group_id)
-            if logprobs is not None:
-                self._record_logprobs(request, token_id, logprobs)
-            check_stop(request, token_id, request.grammar is not None and self._advance_grammar(request, token_id))
-            if request.finished:
-                self.scheduler.finish(request, request.status)
-                del self.requests[request_id]
-                self._constrained.discard(request_id)
-            output = _make_output(request)
-            if output is not None:
-                outputs.append(output)
-        return outputs
-
-    def _advance_grammar(self, request: Request, token_id: int) -> bool:
-        """Move the request's matcher past its new token; True when that ends the request where check_stop would not
-        (its grammar ended on a stop token that ignore_eos does not stop on, or on its last token where the model has
-        no stop token)."""
-        if not request.grammar.accept(token_id):
-            # Only possible when a min_tokens mask removed every token the grammar allowed (its stop tokens).
-            logger.error("request %s: token %d is outside its structured-output grammar; the request stops",
-                         request.request_id, token_id)
-            return True
-        return request.grammar.terminated and token_id not in request.stop_token_ids
 
     def _record_logprobs(self, request: Request, token_id: int, logprobs) -> None:
         logprob, rank, top_ids, top_values = logprobs
@@ -298,33 +224,21 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
-    def kv_cache_usage(self) -> float:
-        return self.kv_cache.usage()
-
-    def scheduler_state(self) -> tuple[int, int, float, int, int, int]:
-        """(running, waiting, KV cache usage, preemptions so far, prefix-cache queries and hits so far, in
-        tokens): what a server's metrics report."""
-        return (len(self.scheduler.running), len(self.scheduler.waiting), self.kv_cache.usage(),
-                self.scheduler.num_preemptions, self.kv_cache.prefix_queries, self.kv_cache.prefix_hits)
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats
 
     def check_health(self) -> None:
         """Raise WorkerDiedError if the engine has failed or one of its worker ranks has exited."""
-        if self._failure is not None:
-            raise WorkerDiedError(f"the engine has stopped: {self._failure}")
-        dead = self.ranks.dead_workers() if self.ranks else None
-        if dead is not None:
-            raise WorkerDiedError(f"{dead}; the engine cannot run another step")
+        self.executor.check_health()
 
     def memory_stats(self) -> list[dict]:
         """Per rank: parameter bytes, KV bytes and peak memory (see ModelRunner.memory_stats)."""
-        own = self.runner.memory_stats()
-        return self.ranks.gather_stats(own) if self.ranks else [own]
+        return self.executor.memory_stats()
 
     def shutdown(self) -> None:
-        """Stop the worker ranks (a single-process engine has none); the engine cannot step afterwards."""
-        if getattr(self, "ranks", None) is not None:
-            self.ranks.shutdown()
-            self._failure = getattr(self, "_failure", None) or WorkerDiedError("the engine was shut down")
+        """Stop the worker ranks (a single-process engine has none)."""
+        if getattr(self, "executor", None) is not None:
+            self.executor.shutdown()
 
 
 def _make_output(request: Request) -> RequestOutput | None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from mini_infer.engine.scheduler import SchedulerStats
 from mini_infer.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0,
@@ -87,16 +88,15 @@ class EngineMetrics:
                 self.e2e.observe(now - timing.arrival)
                 self.success[output.outputs[-1].finish_reason].inc()  # n > 1: the completion that finished last
 
-    def on_state(self, num_running: int, num_waiting: int, kv_cache_usage: float, num_preemptions: int,
-                 prefix_queries: int, prefix_hits: int) -> None:
+    def on_state(self, stats: SchedulerStats) -> None:
         """The scheduler's state after a step; preemptions and prefix-cache tokens are running totals."""
-        self.running.set(num_running)
-        self.waiting.set(num_waiting)
-        self.kv_cache_usage.set(kv_cache_usage)
-        if num_preemptions > self._preemptions_seen:
-            self.preemptions.inc(num_preemptions - self._preemptions_seen)
-            self._preemptions_seen = num_preemptions
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        if stats.num_preemptions > self._preemptions_seen:
+            self.preemptions.inc(stats.num_preemptions - self._preemptions_seen)
+            self._preemptions_seen = stats.num_preemptions
         queries_seen, hits_seen = self._prefix_seen
-        self.prefix_queries.inc(prefix_queries - queries_seen)
-        self.prefix_hits.inc(prefix_hits - hits_seen)
-        self._prefix_seen = (prefix_queries, prefix_hits)
+        self.prefix_queries.inc(stats.prefix_queries - queries_seen)
+        self.prefix_hits.inc(stats.prefix_hits - hits_seen)
+        self._prefix_seen = (stats.prefix_queries, stats.prefix_hits)

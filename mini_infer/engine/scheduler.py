@@ -1,49 +1,205 @@
-"""Scheduler: waiting and running queues, admission, preemption; decides what each step computes.
+"""Scheduler: the waiting and running queues, admission, preemption; what each step computes, and what follows it.
 
-Every running request has num_tokens - num_computed_tokens tokens to compute: 1 in decode (the token sampled
-last), more while its prompt (or a preempted request's recompute) is being prefilled. A newly admitted request
-first takes over the KV blocks of its longest cached prompt prefix (KVCacheManager.match_prefix), so it starts
-with those tokens computed.
+`schedule()` is one token-budget loop (vLLM v1's shape): running requests first, decode tokens ahead of the prompt
+chunks still being prefilled, then waiting requests in arrival order, each taking what the budget
+(max_num_batched_tokens) and the free blocks allow. A newly admitted request first takes over the KV blocks of its
+longest cached prompt prefix (KVCacheManager.match_prefix), so it starts with those tokens computed; it is admitted
+only while one block per running request stays free (so the next decode step need not preempt what was admitted).
+Without chunked prefill a prompt is admitted only whole. A request samples in the step that computes its last token.
 
-Without chunked prefill, a step is a prefill step (newly admitted prompts, each whole, packed together) when
-anything can be admitted, else a decode step (one token for every running request). With chunked prefill, a step
-has a token budget (max_num_batched_tokens): decode tokens of running requests first, then chunks of prompts
-still being prefilled, then chunks of newly admitted prompts, until the budget is spent; a long prompt spreads
-over several steps, and the running streams keep decoding meanwhile. A request samples in the step that computes
-its last token.
-
-When a decode token finds no free block, the most recently admitted running request is preempted: its blocks are
+When a running request finds no free block, the most recently admitted running request is preempted: its blocks are
 freed and it is recomputed later (from its cached prefix, if its blocks are still cached by then). A completion of a
 request of n > 1 goes with its running siblings (taken out of the step if they were in it already): the group comes
-back whole, and its prompt's blocks, which the siblings share, are freed rather than kept for one of them.
+back whole, and its prompt's blocks, which the siblings share, are freed rather than kept for one of them. No new
+request is admitted in a step that had to preempt (re-admitting a victim at once would only thrash).
 
-Each step's decision goes out as a StepPlan (plain data): a request's tokens, blocks and sampling parameters
-once, when it enters the runners' batch, then only what it gained since it last ran, and who left the batch.
+`update(plan, sampled)` owns what follows the step: the computed-token accounting, prefix-cache registration of the
+blocks it filled, appending each sampled token, the stop checks (stop tokens, max_tokens, stop strings, a finished
+structured-output grammar) and retiring finished requests, whose blocks return at once.
+
+Each step's decision goes out as a StepPlan (plain data): a request's tokens, blocks and sampling parameters once,
+when it enters the runners' batch, then only what it gained since it last ran, and who left the batch; with the
+structured-output bitmask of the constrained requests that sample in it.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
+from dataclasses import dataclass, field
 
+from mini_infer.config import DEFAULT_CHUNKED_BUDGET, EngineConfig
 from mini_infer.engine.kv_cache import KVCacheManager
 from mini_infer.engine.request import Request, RequestStatus
-from mini_infer.runner.plan import NewRequest, StepPlan
+from mini_infer.engine.stop import check_stop
+from mini_infer.engine.structured_output import allocate_bitmask
+from mini_infer.runner.plan import GrammarBitmask, NewRequest, StepPlan
+from mini_infer.runner.sampler import SamplerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def _engine_default(name: str):
+    return EngineConfig.__dataclass_fields__[name].default
+
+
+@dataclass(slots=True)
+class StepUpdate:
+    """What a step changed, for the engine's outputs: each request that sampled a token (in the plan's order) with
+    the token and its logprobs (None unless asked), the prompt logprobs the step computed, and the requests it
+    finished (already retired)."""
+
+    sampled: list[tuple[Request, int, tuple | None]] = field(default_factory=list)
+    prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)
+    finished: list[Request] = field(default_factory=list)
 
 
 class Scheduler:
-    def __init__(self, kv_cache: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = False) -> None:
+    def __init__(self, kv_cache: KVCacheManager, *, max_num_seqs: int = _engine_default("max_num_seqs"),
+                 max_num_batched_tokens: int = DEFAULT_CHUNKED_BUDGET,
+                 enable_chunked_prefill: bool = _engine_default("enable_chunked_prefill"),
+                 vocab_size: int | None = None) -> None:
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.vocab_size = vocab_size  # the width of the structured-output bitmask
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
+        self._num_constrained = 0  # unfinished requests with a structured-output grammar
         # What the runners' batch holds of each request in it: (tokens, blocks) as last sent.
         self._sent: dict[str, tuple[int, int]] = {}
         self._left: list[str] = []  # finished since the last plan
         self._preempted: list[str] = []  # preempted while this plan is made
+
+    def add(self, request: Request) -> None:
+        if request.grammar is not None:
+            if self.vocab_size is None:
+                raise ValueError("a structured-output request needs the scheduler's vocab_size (its bitmask width)")
+            self._num_constrained += 1
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- the step ----
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.max_num_batched_tokens
+        preempted_before = len(self._preempted)
+        # Decode tokens ahead of prompt chunks (a stable sort keeps admission order within each).
+        for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+            # (one preempted in this loop, as a victim or a victim's sibling, is waiting again)
+            if budget <= 0 or request.status is not RequestStatus.RUNNING:
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._grow_or_preempt(request, num_new, plan):
+                self._plan_add(plan, request, num_new)
+                budget -= num_new
+        budget = self.max_num_batched_tokens - plan.num_tokens  # a preempted group's planned tokens come back
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and len(self._preempted) == preempted_before):
+            num_new = self._admit(self.waiting[0], budget)
+            if not num_new:
+                break
+            self._plan_add(plan, self.running[-1], num_new)
+            budget -= num_new
+        self._order(plan)
+        if self._num_constrained:
+            plan.grammar = self._grammar_bitmask(plan)
+        plan.finished_ids, self._left = self._left, []
+        plan.preempted_ids, self._preempted = self._preempted, []
+        return plan
+
+    def update(self, plan: StepPlan, sampled: SamplerOutput | None) -> StepUpdate:
+        """Account for a step the runners computed: each scheduled request's computed tokens (and the blocks they
+        filled, registered in the prefix cache), then for those that sampled, the token appended, the stop checks,
+        and retiring the finished."""
+        update = StepUpdate(prompt_logprobs=sampled.prompt_logprobs or {} if sampled is not None else {})
+        rows = iter(zip(sampled.token_ids, sampled.logprobs)) if sampled is not None else iter(())
+        requests = {request.request_id: request for request in self.running}
+        for request_id, num_new in zip(plan.request_ids, plan.num_new_tokens):
+            request = requests[request_id]
+            request.num_computed_tokens += num_new
+            self.kv_cache.cache_blocks(request_id, request.token_ids_slice, request.num_computed_tokens)
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a prompt chunk with more to come: nothing sampled
+            token_id, logprobs = next(rows)
+            request.output_token_ids.append(token_id)
+            check_stop(request, token_id, request.grammar is not None and _advance_grammar(request, token_id))
+            update.sampled.append((request, token_id, logprobs))
+            if request.finished:
+                self.finish(request, request.status)
+                update.finished.append(request)
+        return update
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Retire a running or waiting request and return its blocks at once."""
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if request.grammar is not None:
+            self._num_constrained -= 1
+        self.kv_cache.free(request.request_id)
+        self._sent.pop(request.request_id, None)
+        self._left.append(request.request_id)
+
+    # ---- admission and preemption ----
+
+    def _admit(self, request: Request, budget: int) -> int:
+        """Admit the first waiting request with its cached prefix and up to `budget` more tokens (all of them
+        without chunked prefill); the tokens scheduled, 0 when it cannot be admitted now. It leaves one block per
+        running request free, and where it computes its whole prompt, the one its first decode needs too."""
+        # A request that wants prompt logprobs computes its whole prompt (cached positions would have none), as vLLM.
+        hits = [] if request.params.prompt_logprobs is not None else self.kv_cache.match_prefix(request.all_token_ids)
+        cached = len(hits) * self.kv_cache.block_size
+        remaining = request.num_tokens - cached
+        num_new = min(remaining, budget)
+        if num_new < 1 or (not self.enable_chunked_prefill and num_new < remaining):
+            return 0
+        blocks = self.kv_cache.blocks_for
+        extra = blocks(request.num_tokens + 1) - blocks(request.num_tokens) if num_new == remaining else 0
+        if not self.kv_cache.allocate_with_prefix(request.request_id, hits, cached + num_new,
+                                                  len(self.running) + extra):
+            return 0
+        self.kv_cache.count_prefix_query(request.num_tokens, cached)
+        self.waiting.popleft()
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = cached
+        self.running.append(request)
+        return num_new
+
+    def _grow_or_preempt(self, request: Request, num_new: int, plan: StepPlan) -> bool:
+        """Slots for the request's next `num_new` tokens, preempting the most recently admitted running requests
+        (each with its group) until there are; False when the request itself had to go."""
+        while not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+            victim = self.running.pop()
+            group = [victim]
+            if victim.group_id is not None:
+                group += [r for r in self.running if r.group_id == victim.group_id]
+                self.running = [r for r in self.running if r.group_id != victim.group_id]
+            for member in group:
+                self._unplan(plan, member)
+                self._preempt(member)
+            if request in group:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request.request_id)
+        self._sent.pop(request.request_id, None)
+        self._preempted.append(request.request_id)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ---- the plan ----
 
     def _plan_add(self, plan: StepPlan, request: Request, num_new: int) -> None:
         """Schedule `num_new` tokens of the request: its whole data if the batch does not hold it yet, else
@@ -66,89 +222,6 @@ class Scheduler:
                 plan.new_block_ids[rid] = kv.block_ids(rid, sent_blocks)
         self._sent[rid] = (request.num_tokens, num_blocks)
 
-    def _seal(self, plan: StepPlan) -> StepPlan:
-        """Hand the plan the departures since the last plan."""
-        plan.finished_ids, self._left = self._left, []
-        plan.preempted_ids, self._preempted = self._preempted, []
-        return plan
-
-    def add(self, request: Request) -> None:
-        self.waiting.append(request)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def schedule(self) -> StepPlan:
-        if self.enable_chunked_prefill:
-            return self._seal(self._schedule_chunked())
-        if self.waiting:
-            plan = self._schedule_prefill()
-            if plan.request_ids:
-                return self._seal(plan)
-        return self._seal(self._schedule_decode())
-
-    # ---- admission ----
-
-    def _admit(self, request: Request, budget: int, *, whole: bool, reserve: int) -> int:
-        """Admit the first waiting request with its cached prefix and up to `budget` more tokens (all of them
-        when `whole`); the tokens scheduled, 0 when it cannot be admitted now."""
-        # A request that wants prompt logprobs computes its whole prompt (cached positions would have none), as vLLM.
-        hits = [] if request.params.prompt_logprobs is not None else self.kv_cache.match_prefix(request.all_token_ids)
-        cached = len(hits) * self.kv_cache.block_size
-        remaining = request.num_tokens - cached
-        num_new = min(remaining, budget)
-        if num_new < 1 or (whole and num_new < remaining):
-            return 0
-        if not self.kv_cache.allocate_with_prefix(request.request_id, hits, cached + num_new, reserve):
-            return 0
-        self.kv_cache.count_prefix_query(request.num_tokens, cached)
-        self.waiting.popleft()
-        request.status = RequestStatus.RUNNING
-        request.num_computed_tokens = cached
-        self.running.append(request)
-        return num_new
-
-    def _schedule_prefill(self) -> StepPlan:
-        output = StepPlan(is_prefill=True)
-        budget = self.max_num_batched_tokens
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
-            # Leave one block per running request so the next decode step need not preempt what we admit; count
-            # the slot of the token this prefill samples, which that step computes.
-            extra = self.kv_cache.blocks_for(request.num_tokens + 1) - self.kv_cache.blocks_for(request.num_tokens)
-            num_new = self._admit(request, budget, whole=True, reserve=len(self.running) + extra)
-            if not num_new:
-                break
-            self._plan_add(output, request, num_new)
-            budget -= num_new
-        return output
-
-    # ---- decode ----
-
-    def _schedule_decode(self) -> StepPlan:
-        output = StepPlan(is_prefill=False)
-        for request in list(self.running):
-            # (one preempted in this loop, as a victim or a victim's sibling, is waiting again)
-            if request.status is RequestStatus.RUNNING and self._grow_or_preempt(request, output):
-                self._plan_add(output, request, 1)
-        return output
-
-    def _grow_or_preempt(self, request: Request, output: StepPlan) -> bool:
-        """A slot for the request's next token, preempting the most recently admitted running requests (each with
-        its group) until there is one; False when the request itself had to go."""
-        while not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + 1):
-            victim = self.running.pop()
-            group = [victim]
-            if victim.group_id is not None:
-                group += [r for r in self.running if r.group_id == victim.group_id]
-                self.running = [r for r in self.running if r.group_id != victim.group_id]
-            for member in group:
-                self._unplan(output, member)
-                self._preempt(member)
-            if request in group:
-                return False
-        return True
-
     def _unplan(self, plan: StepPlan, request: Request) -> None:
         """Take a request this plan already scheduled back out of it (its group is being preempted)."""
         rid = request.request_id
@@ -160,58 +233,58 @@ class Scheduler:
         plan.new_token_ids.pop(rid, None)
         plan.new_block_ids.pop(rid, None)
 
-    # ---- chunked prefill ----
+    def _order(self, plan: StepPlan) -> None:
+        """The batch order the runners take: requests computing one token first (the decodes; an admitted prompt of
+        one token too), then the rest; and whether any prompt is computed."""
+        requests = {r.request_id: r for r in self.running}
+        order = sorted(range(len(plan.request_ids)), key=lambda i: plan.num_new_tokens[i] > 1)
+        plan.request_ids = [plan.request_ids[i] for i in order]
+        plan.num_new_tokens = [plan.num_new_tokens[i] for i in order]
+        plan.is_prefill = any(requests[rid].num_computed_tokens < requests[rid].num_prompt_tokens
+                              for rid in plan.request_ids)
 
-    def _schedule_chunked(self) -> StepPlan:
-        output = StepPlan(is_prefill=False)
-        budget = self.max_num_batched_tokens
-        preempted_before = len(self._preempted)
-        for request in list(self.running):  # decode tokens first, in admission order
-            if budget <= 0:
-                break
-            if (request.status is RequestStatus.RUNNING and request.num_tokens - request.num_computed_tokens == 1
-                    and self._grow_or_preempt(request, output)):
-                self._plan_add(output, request, 1)
-                budget -= 1
-        budget = self.max_num_batched_tokens - output.num_tokens  # a preempted group's planned tokens come back
-        for request in self.running:  # then the prompts already being prefilled
-            remaining = request.num_tokens - request.num_computed_tokens
-            if remaining > 1 and budget > 0:
-                num_new = min(remaining, budget)
-                if not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
-                    break  # no room for more prompt tokens this step
-                self._plan_add(output, request, num_new)
-                output.is_prefill = True
-                budget -= num_new
-        # Then new requests, unless this step had to preempt (re-admitting a victim now would only thrash).
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs \
-                and len(self._preempted) == preempted_before:
-            request = self.waiting[0]
-            num_new = self._admit(request, budget, whole=False, reserve=len(self.running))
-            if not num_new:
-                break
-            self._plan_add(output, request, num_new)
-            output.is_prefill = True
-            budget -= num_new
-        return output
+    def _grammar_bitmask(self, plan: StepPlan) -> GrammarBitmask | None:
+        """The tokens each structured-output request that samples in this step may take (None if none samples)."""
+        requests = {r.request_id: r for r in self.running}
+        scheduled = ((requests[rid], num_new) for rid, num_new in zip(plan.request_ids, plan.num_new_tokens))
+        # In the sampled logits' order: the requests whose step computes their last token (as update reads them).
+        sampling = [request for request, num_new in scheduled
+                    if request.num_computed_tokens + num_new >= request.num_tokens]
+        rows = [row for row, request in enumerate(sampling) if request.grammar is not None]
+        if not rows:
+            return None
+        bitmask = allocate_bitmask(len(sampling), self.vocab_size)
+        for row in rows:
+            sampling[row].grammar.fill(bitmask, row)
+        return GrammarBitmask(rows, bitmask)
 
-    def _preempt(self, request: Request) -> None:
-        self.kv_cache.free(request.request_id)
-        self._sent.pop(request.request_id, None)
-        self._preempted.append(request.request_id)
-        request.status = RequestStatus.WAITING
-        request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(request)
+    @property
+    def stats(self) -> SchedulerStats:
+        kv = self.kv_cache
+        return SchedulerStats(len(self.running), len(self.waiting), kv.usage(), self.num_preemptions,
+                              kv.prefix_queries, kv.prefix_hits)
 
-    def finish(self, request: Request, status: RequestStatus) -> None:
-        """Retire a running or waiting request and return its blocks at once."""
-        request.status = status
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
-        self.kv_cache.free(request.request_id)
-        self._sent.pop(request.request_id, None)
-        self._left.append(request.request_id)
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """What a server's metrics report of a scheduler: its queues now, the KV cache's use, preemptions and prefix-cache
+    lookups so far (in prompt tokens)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+
+
+def _advance_grammar(request: Request, token_id: int) -> bool:
+    """Move the request's matcher past its new token; True when that ends the request where check_stop would not
+    (its grammar ended on a stop token that ignore_eos does not stop on, or on its last token where the model has
+    no stop token)."""
+    if not request.grammar.accept(token_id):
+        # Only possible when a min_tokens mask removed every token the grammar allowed (its stop tokens).
+        logger.error("request %s: token %d is outside its structured-output grammar; the request stops",
+                     request.request_id, token_id)
+        return True
+    return request.grammar.terminated and token_id not in request.stop_token_ids

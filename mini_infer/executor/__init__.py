@@ -1,1 +1,2 @@
-"""Process management for one engine replica's ranks: rank 0's handle on the workers it starts, and the workers' loop."""
+"""How one engine replica runs its model: in-process or over ranks (executor.py), and the rank processes
+(ranks.py: rank 0's handle on the workers it starts, and the workers' loop)."""
