@@ -5,10 +5,28 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+
+from mini_infer.paths import cache_dir
+
+# What mini-infer builds or writes once (compiled kernels, autotune tables, the tokenizer, the default model) goes to
+# a cache of this test run's own, so that no result depends on what a developer's cache holds; the peers' set-ups
+# (llama.cpp, vLLM's CPU build: minutes each, built outside the project's code) are lent from the user's cache.
+_USER_PEERS = cache_dir() / "peers"
+TEST_CACHE = Path(tempfile.mkdtemp(prefix="mini-infer-test-cache-"))
+if _USER_PEERS.is_dir():
+    (TEST_CACHE / "peers").symlink_to(_USER_PEERS)
+os.environ["MINI_INFER_CACHE"] = str(TEST_CACHE)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(TEST_CACHE, ignore_errors=True)
+
 
 # The engine's device in the parity tests (the HF reference always runs on the CPU in float64).
 DEVICE = os.environ.get("MINI_INFER_TEST_DEVICE", "cpu")

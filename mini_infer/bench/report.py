@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from mini_infer import machine
+
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
@@ -37,14 +39,9 @@ def machine_info(device: str = "cpu") -> dict:
     """CPU model, cores, torch's threads, the CPU flags that decide low-precision matmul speed, and the load
     average (call it before the measurements: other busy processes slow every system down); on a CUDA device also
     the GPU's name, multiprocessors and memory."""
-    cpuinfo, fields = Path("/proc/cpuinfo"), {}
-    for line in cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []:
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    flags = set(fields.get("flags", "").split())
-    info = {"cpu_model": fields.get("model name") or platform.processor() or platform.machine(),
-            "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "cpu_flags": {flag: flag in flags for flag in CPU_FLAGS}, "load_average_1m": os.getloadavg()[0]}
+    cpu = machine.cpu()
+    info = {"cpu_model": cpu.model, "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "cpu_flags": {flag: flag in cpu.flags for flag in CPU_FLAGS}, "load_average_1m": os.getloadavg()[0]}
     if torch.device(device).type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info["gpu"] = {"name": props.name, "multiprocessors": props.multi_processor_count,

@@ -103,7 +103,7 @@ def _alive(pid: int) -> bool:
 
 def shm_unavailable_reason(group, device: torch.device) -> str | None:
     """Why the group's ranks cannot share memory (None when they can): they must all run on this machine's CPU,
-    with the native kernels built and /dev/shm present. Called by every rank of the group."""
+    with the all-reduce kernel built and /dev/shm present. Called by every rank of the group."""
     names = [None] * dist.get_world_size(group)
     dist.all_gather_object(names, os.uname().nodename, group=group)
     if device.type != "cpu":
@@ -114,5 +114,5 @@ def shm_unavailable_reason(group, device: torch.device) -> str | None:
         return f"no {SHM_DIR}"
     if len(names) > MAX_RANKS:
         return f"more than {MAX_RANKS} ranks"
-    reason = cpu.unavailable_reason()
-    return f"native kernels unavailable: {reason}" if reason else None
+    reason = cpu.kernel_reason("shm_allreduce")
+    return f"its native kernel is unavailable: {reason}" if reason else None

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from mini_infer import machine
 from mini_infer.kernels import cpu
 from mini_infer.kernels.quant import QUANT_KERNELS
 from mini_infer.paths import cache_dir
@@ -35,7 +36,6 @@ _SLOW_ROUNDS = 3  # where a call takes longer than _SLOW_S (a prefill of the LM 
 _SLOW_S = 0.02
 # How the candidates are timed (part of the cache key: a table timed another way is timed again).
 _METHOD = "warm-up, then interleaved rounds; decode buckets evicted from the caches"
-_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
 def bucket_index(rows: int) -> int:
@@ -47,22 +47,15 @@ def bucket_index(rows: int) -> int:
 
 
 def cpu_identity() -> str:
-    """The CPU model and the instruction sets that decide matmul speed, from /proc/cpuinfo."""
-    cpu, flags = "unknown", set()
-    if Path("/proc/cpuinfo").is_file():
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and cpu == "unknown":
-                cpu = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    return f"{cpu} [{','.join(f for f in _FLAGS if f in flags)}]"
+    """The CPU model and the instruction sets that decide matmul speed."""
+    return f"{machine.cpu().model} [{','.join(machine.cpu().isa)}]"
 
 
-def machine_key(dtype: torch.dtype, kernel_source: str) -> str:
-    """What the timings depend on besides the shape."""
+def machine_key(dtype: torch.dtype, kernel_key: str) -> str:
+    """What the timings depend on besides the shape: the machine, torch, the threads, the dtype, how they are
+    timed, and the kernels' build key (their sources and headers, flags and compiler: cpu.build_key)."""
     parts = [cpu_identity(), torch.__version__, str(torch.get_num_threads()), str(dtype), _METHOD,
-             hashlib.sha256(kernel_source.encode()).hexdigest()[:16]]
+             hashlib.sha256(kernel_key.encode()).hexdigest()[:16]]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
 
 

@@ -7,6 +7,7 @@ an edited kernel or another compiler rebuilds it; parallel processes race safely
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -21,12 +22,25 @@ class KernelUnavailable(RuntimeError):
     """The kernel cannot be built or run on this machine; the message says why."""
 
 
-def build_library(source: Path, flags: list[str], headers: tuple[Path, ...] = ()) -> ctypes.CDLL:
-    """headers: the local headers the source includes (part of the cache key)."""
-    compiler = os.environ.get("CXX", "g++")
+def compiler() -> str:
+    return os.environ.get("CXX", "g++")
+
+
+@functools.cache
+def _version(compiler: str) -> str:
     if shutil.which(compiler) is None:
         raise KernelUnavailable(f"no C++ compiler {compiler!r} on PATH (set CXX)")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    return subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+
+
+def compiler_version() -> str:
+    """The C++ compiler's name and `--version` (KernelUnavailable where there is none)."""
+    return f"{compiler()}\0{_version(compiler())}"
+
+
+def build_library(source: Path, flags: list[str], headers: tuple[Path, ...] = ()) -> ctypes.CDLL:
+    """headers: the local headers the source includes (part of the cache key)."""
+    compiler, version = os.environ.get("CXX", "g++"), compiler_version()
     texts = [path.read_text() for path in (source, *headers)]
     digest = hashlib.sha256("\0".join([*texts, *flags, version]).encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"{source.stem}-{digest}.so"

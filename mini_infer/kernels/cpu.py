@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import functools
 import math
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from mini_infer.kernels.build import KernelUnavailable, build_library
+from mini_infer import machine
+from mini_infer.kernels.build import KernelUnavailable, build_library, compiler_version
 
 _BASE_FLAGS = ["-O3", "-fopenmp", "-std=c++17"]
 _AVX2 = [*_BASE_FLAGS, "-mavx2", "-mfma"]
@@ -91,9 +93,10 @@ _KERNELS = {
                              _AVX2, ("avx2", "fma")),
 }
 # The kernels that must build for cpu_kernels to run natively; the AVX-512 matmuls are extra paths where the CPU
-# has them (MATMUL_PATHS).
-_BASE = ("gemm", "paged_decode_attention", "paged_prefill_attention", "add_rms_norm", "silu_mul", "rope_kv_write",
-         "argmax_rows", "top_k_rows", "mask_rows", "decode_layers", "shm_allreduce")
+# has them (MATMUL_PATHS), and the OPTIONAL ones each take over one job where they build (torch's, or the per-op path,
+# does it where they do not; Ops' note says which are missing).
+REQUIRED = ("gemm", "paged_decode_attention", "paged_prefill_attention", "add_rms_norm", "silu_mul", "rope_kv_write")
+OPTIONAL = ("argmax_rows", "top_k_rows", "mask_rows", "decode_layers", "shm_allreduce")
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,27 +129,30 @@ def weight_layout(path: str, dtype: torch.dtype) -> str:
     return MATMUL_PATHS[path].kernels[dtype][0]
 
 
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The instruction-set flags /proc/cpuinfo lists (empty where there is none)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    for line in cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []:
-        key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            return frozenset(value.split())
-    return frozenset()
+_HEADERS = ("bf16.h", "exp8.h", "avx512.h")  # what the sources include (part of each build's cache key)
+_outcomes: dict[str, Callable | KernelUnavailable] = {}  # per kernel name: its function, or why it cannot run
 
 
-@functools.cache
 def native_function(name: str):
-    """The named kernel of _KERNELS, built on first use; KernelUnavailable says why it cannot run here."""
-    kernel = _KERNELS[name]
-    missing = [flag for flag in kernel.needs if flag not in cpu_flags()]
+    """The named kernel of _KERNELS, built on first use; KernelUnavailable says why it cannot run here (the outcome
+    is kept: a kernel that failed to build is not built again on every lookup)."""
+    if name not in _outcomes:
+        try:
+            _outcomes[name] = _load(_KERNELS[name])
+        except KernelUnavailable as e:
+            _outcomes[name] = e
+    outcome = _outcomes[name]
+    if isinstance(outcome, KernelUnavailable):
+        raise outcome
+    return outcome
+
+
+def _load(kernel: _Kernel):
+    missing = [flag for flag in kernel.needs if flag not in machine.cpu().flags]
     if missing:
         raise KernelUnavailable(f"the CPU lacks {', '.join(missing)} (needed by {kernel.function})")
     here = Path(__file__).parent
-    library = build_library(here / kernel.source, kernel.flags,
-                            headers=(here / "bf16.h", here / "exp8.h", here / "avx512.h"))
+    library = build_library(here / kernel.source, kernel.flags, headers=tuple(here / name for name in _HEADERS))
     if kernel.enable is not None:
         refused = getattr(library, kernel.enable)()
         if refused:
@@ -157,21 +163,62 @@ def native_function(name: str):
     return function
 
 
-def gemm_source() -> str:
-    """The matmul kernels' sources (a changed kernel re-times the autotuner's choices)."""
+def prebuild(names) -> None:
+    """Build the libraries of the named kernels that this CPU can run, several compilers at once (one per core): a
+    first run's builds take about half the time on two cores. Failures are left for native_function to report."""
+    libraries = {}
+    for name in names:
+        kernel = _KERNELS[name]
+        if name not in _outcomes and all(flag in machine.cpu().flags for flag in kernel.needs):
+            libraries.setdefault((kernel.source, tuple(kernel.flags)), kernel)
     here = Path(__file__).parent
-    return "".join((here / name).read_text()
-                   for name in ("cpu_gemm.cpp", "cpu_gemm_avx512.cpp", "cpu_gemm_amx.cpp", "avx512.h", "bf16.h"))
+
+    def build(kernel: _Kernel) -> None:
+        try:
+            build_library(here / kernel.source, kernel.flags, headers=tuple(here / name for name in _HEADERS))
+        except KernelUnavailable:
+            pass  # native_function builds it again and keeps the reason
+    if len(libraries) > 1:
+        with ThreadPoolExecutor(max_workers=machine.usable_cores()) as pool:
+            list(pool.map(build, libraries.values()))
 
 
-def unavailable_reason() -> str | None:
-    """None when every base kernel builds and loads here, else why not."""
+def kernel_reason(name: str) -> str | None:
+    """None where the named kernel runs here, else why not."""
     try:
-        for name in _BASE:
-            native_function(name)
+        native_function(name)
     except KernelUnavailable as e:
         return str(e)
     return None
+
+
+def build_key(*kernels: str) -> str:
+    """Everything the named kernels' code depends on: their sources with the headers, their flags and the compiler
+    (a change re-times the autotuner's choices)."""
+    here = Path(__file__).parent
+    specs = [_KERNELS[name] for name in sorted(set(kernels))]  # in a fixed order: the key must not vary by process
+    sources = sorted({spec.source for spec in specs} | set(_HEADERS))
+    flags = [" ".join(spec.flags) for spec in specs]
+    return "\0".join([*((here / name).read_text() for name in sources), *flags, compiler_version()])
+
+
+def gemm_source() -> str:
+    """The float matmul kernels' build key (build_key)."""
+    return build_key(*{kernel for path in MATMUL_PATHS.values() for _, kernel in path.kernels.values()})
+
+
+def unavailable_reason() -> str | None:
+    """None when every required kernel builds and loads here, else why not."""
+    for name in REQUIRED:
+        reason = kernel_reason(name)
+        if reason is not None:
+            return reason
+    return None
+
+
+def missing_optional() -> dict[str, str]:
+    """The optional kernels that do not run here, each with why."""
+    return {name: reason for name in OPTIONAL if (reason := kernel_reason(name)) is not None}
 
 
 def matmul_paths(dtype: torch.dtype) -> dict[str, str | None]:

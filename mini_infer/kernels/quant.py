@@ -17,7 +17,6 @@ model, 2 bytes per group and column), so that every candidate, torch's included,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -109,9 +108,9 @@ def scale_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def kernel_source(scheme: Scheme) -> str:
-    """What the autotuner's timings of `scheme` weights depend on besides the machine: the kernel, the scheme."""
-    source = (Path(cpu.__file__).parent / "cpu_gemm_quant.cpp").read_text()
-    return f"{source}\0{scheme.name}"
+    """What the autotuner's timings of `scheme` weights depend on besides the machine: the kernels' build key (their
+    source with its headers, flags and compiler), the scheme."""
+    return f"{cpu.build_key(*dict.fromkeys(kernel for kernel, _ in QUANT_KERNELS.values()))}\0{scheme.name}"
 
 
 def quantize(weight: torch.Tensor, method: str | Scheme, scale_dtype: torch.dtype) -> QuantizedTensor:

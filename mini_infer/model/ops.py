@@ -67,6 +67,7 @@ class Ops:
     chosen: dict[str, list[str]] = field(default_factory=dict)  # per weight prepared (shape, scheme): its winners
     dtype: torch.dtype = torch.float32  # the model's (its activations')
     graph_safe: bool = False  # CUDA graphs are the GPU backend's (model/triton_ops.py)
+    optional: frozenset[str] = frozenset()  # the optional native kernels that run here (cpu.OPTIONAL)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | cpu.PackedWeight | TunedWeight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -109,22 +110,26 @@ class Ops:
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return fused.silu_mul(gate_up) if self.native else silu_and_mul(gate_up)
 
+    def runs(self, kernel: str) -> bool:
+        """Whether the optional native kernel `kernel` (cpu.OPTIONAL) does its job here."""
+        return self.native and kernel in self.optional
+
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """x.argmax(dim=-1) of logits [R, V] (greedy decoding); natively in one threaded pass for bf16/float32."""
-        return fused.argmax(x) if self.native and x.dtype in cpu.DTYPES else x.argmax(dim=-1)
+        return fused.argmax(x) if self.runs("argmax_rows") and x.dtype in cpu.DTYPES else x.argmax(dim=-1)
 
     @property
     def top_k(self):
         """The sampler's top-k over the logits (fused.top_k: each row's k largest after its sparse edits, in one pass)
-        where the native kernels run, whose logits are then bfloat16 or float32; None elsewhere (the sampler then
+        where the native kernel runs, whose logits are then bfloat16 or float32; None elsewhere (the sampler then
         works on a copy of the logits with torch)."""
-        return fused.top_k if self.native else None
+        return fused.top_k if self.runs("top_k_rows") else None
 
     @property
     def mask_rows(self):
-        """The sampler's structured-output bitmask over float32 logits (fused.mask_rows) where the native kernels
-        run; None elsewhere (the sampler then unpacks the bits with torch)."""
-        return fused.mask_rows if self.native else None
+        """The sampler's structured-output bitmask over float32 logits (fused.mask_rows) where the native kernel
+        runs; None elsewhere (the sampler then unpacks the bits with torch)."""
+        return fused.mask_rows if self.runs("mask_rows") else None
 
     def rope_kv_write(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                       kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor, num_heads: int,
@@ -246,6 +251,9 @@ def select_ops(mode: str, dtype: torch.dtype, device: str | torch.device, quanti
             raise ValueError(f"cpu_kernels 'on' runs bfloat16/float32 models on the CPU, not {dtype} on {device}")
         return Ops(False, f"{weights}{torch_matmul} (the native kernels cover bfloat16/float32 on the CPU, not "
                           f"{dtype} on {device})", quantization=quantization, dtype=dtype)
+    cpu.prebuild([*cpu.REQUIRED, *cpu.OPTIONAL, *{kernel for path in cpu.MATMUL_PATHS.values()
+                                                  for _, kernel in path.kernels.values()},
+                  *({kernel for kernel, _ in quant.QUANT_KERNELS.values()} if quantization else ())])
     reason = cpu.unavailable_reason()
     if reason is not None:
         if mode == "on" or quantization not in (None, "int4"):
@@ -258,8 +266,11 @@ def select_ops(mode: str, dtype: torch.dtype, device: str | torch.device, quanti
     paths = {**float_why, **quant_why}
     float_paths = tuple(path for path, why in float_why.items() if why is None)
     quant_paths = tuple(path for path, why in quant_why.items() if why is None)
-    missing = "; ".join(f"{path}: {why}" for path, why in paths.items() if why is not None)
+    optional_missing = cpu.missing_optional()
+    missing = "; ".join(f"{name}: {why}" for name, why in (*paths.items(), *optional_missing.items())
+                        if why is not None)
     lacking = f" (not here: {missing})" if missing else ""
+    optional = frozenset(cpu.OPTIONAL) - frozenset(optional_missing)
     head = quant.HEAD_METHOD.get(quantization, "the checkpoint's dtype")
     if quantization is not None and head != quantization:
         weights = f"{quantization} weights, LM head {head}, "
@@ -267,7 +278,7 @@ def select_ops(mode: str, dtype: torch.dtype, device: str | torch.device, quanti
         runs = f"{quant_paths[-1]} matmul for quantised weights, {float_paths[-1]}" if quantization else float_paths[-1]
         return Ops(True, f"native CPU kernels ({weights}{runs} matmul with packed weights, paged decode "
                          f"attention){lacking}", path=float_paths[-1], quantization=quantization,
-                   quant_path=quant_paths[-1] if quant_paths else "avx2", dtype=dtype)
+                   quant_path=quant_paths[-1] if quant_paths else "avx2", dtype=dtype, optional=optional)
     # torch's matmul is a candidate wherever it computes the same weights: always for float weights, for int4 ones
     # through its int4 kernel (int8 groups it has none for).
     tuner = LinearTuner(machine_key(dtype, cpu.gemm_source()), _LinearTimer(dtype), (*float_paths, "torch"))
@@ -281,7 +292,7 @@ def select_ops(mode: str, dtype: torch.dtype, device: str | torch.device, quanti
     torch_named = {None: " and torch's matmul", "int4": " and torch's int4 matmul"}.get(quantization, "")
     return Ops(True, f"native CPU kernels ({weights}paged decode attention; per weight shape and batch size, the "
                      f"fastest of {candidates}{torch_named}, timed once: {tuner.path.parent}){lacking}", tuner,
-               quantization=quantization, quant_timer=quant_timer, dtype=dtype)
+               quantization=quantization, quant_timer=quant_timer, dtype=dtype, optional=optional)
 
 
 class _LinearTimer:

@@ -106,7 +106,8 @@ class Qwen2ForCausalLM(nn.Module):
         """All the layers in one native call (kernels/decoder.py) for a step where every request decodes one token
         and every matmul of that batch size runs natively; None where the layers run one op at a time (prefill,
         torch's matmul, tensor parallel: there the projections' partial sums meet between the kernels)."""
-        if (not self.ops.native or not self.layers or self.shard.tp_size > 1 or meta.num_decodes != meta.num_reqs
+        if (not self.ops.runs("decode_layers") or not self.layers or self.shard.tp_size > 1
+                or meta.num_decodes != meta.num_reqs
                 or num_tokens != meta.num_reqs):
             return None
         first = self.layers[0]

@@ -78,6 +78,10 @@ class TritonOps:
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return triton_fused.silu_mul(gate_up)
 
+    def runs(self, kernel: str) -> bool:
+        """The CPU's optional native kernels (model/ops.py): none here."""
+        return False
+
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         return x.argmax(dim=-1)
 
