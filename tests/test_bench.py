@@ -43,7 +43,10 @@ def test_fixed_workload_writes_table_json_and_chart(tiny_model_dir, tmp_path, ca
     assert "% roofline" in printed and "roofline (" in printed and "vs hf-generate" in printed
     report = json.loads((out / "fixed.json").read_text())
     machine = report["machine"]
-    assert machine["torch_threads"] >= 1 and "avx512_bf16" in machine["cpu_flags"] and machine["load_average_1m"] >= 0
+    flags = next(line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags"))
+    assert machine["cpu_flags"]["avx512_bf16"] is ("avx512_bf16" in flags)
+    assert machine["cpu_flags"]["avx2"] is ("avx2" in flags) and machine["cpu_model"] in open("/proc/cpuinfo").read()
+    assert machine["torch_threads"] >= 1 and machine["load_average_1m"] >= 0
     assert set(report["versions"]) == {"python", "torch", "transformers", "mini_infer"}
     assert report["ceilings"]["compute_peak_gflops"] > 0 and report["ceilings"]["read_gbs"] > 0
     assert [p["batch_size"] for p in report["roofline"]] == [1, 2]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import pytest
 
@@ -18,20 +19,17 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def _check_breakdown(result: dict) -> None:
-    """Each measured range is positive and together they fit inside the profiled step; "other" is the rest. The
-    layers run either in one native call or op by op (then KV write and attention are their own rows)."""
+    """Each measured range is positive and together they fit inside the profiled step. The layers run either in one
+    native call or op by op (then KV write and attention are their own rows)."""
     rows = {row["name"]: row for row in result["rows"]}
     assert list(rows) == list(ROWS)
-    measured = [rows[name]["ms"] for name in ROWS if name != OTHER]
     by_op, stacked = ("KV write", "attention"), "decoder layers (one native call)"
     if rows[stacked]["ms"] > 0:
         assert all(rows[name]["ms"] == 0 for name in by_op), rows
     else:
         assert all(rows[name]["ms"] > 0 for name in by_op), rows
     assert all(rows[name]["ms"] > 0 for name in ROWS if name not in (OTHER, stacked, *by_op)), rows
-    assert sum(measured) == pytest.approx(result["measured_ms"]) and result["measured_ms"] <= result["step_ms"]
-    assert rows[OTHER]["ms"] == pytest.approx(result["step_ms"] - result["measured_ms"])
-    assert result["step_ms"] > 0 and result["unprofiled_step_ms"] > 0
+    assert 0 < result["measured_ms"] <= result["step_ms"] and result["unprofiled_step_ms"] > 0
 
 
 def test_profile_prints_every_row_and_writes_json(tiny_model_dir, tmp_path, capsys):
@@ -59,6 +57,17 @@ def test_profile_decode_step_leaves_the_engine_idle(tiny_model_dir, cpu_kernels,
     _check_breakdown(result)
     assert next(row for row in result["rows"] if row["name"] == layers_row)["ms"] > 0
     assert not engine.has_unfinished_requests() and engine.kv_cache_usage() == 0
+
+
+def test_other_is_the_time_outside_every_labelled_range(tiny_model_dir, monkeypatch):
+    """Work the step does outside the labelled ranges lands in "other" and nowhere else: 30 ms slept per step where
+    no range is open (while the engine merges its outputs) raise "other" by at least that, the ranges stay below it."""
+    engine = LLMEngine.from_args(str(tiny_model_dir), dtype="float32", cpu_kernels="off")
+    grouped = engine._grouped
+    monkeypatch.setattr(engine, "_grouped", lambda outputs: time.sleep(0.03) or grouped(outputs))
+    result = profile_decode_step(engine, 2, prompt_len=4, decode_steps_before=1, steps=2)
+    rows = {row["name"]: row["ms"] for row in result["rows"]}
+    assert rows[OTHER] >= 30 and all(ms < 30 for name, ms in rows.items() if name != OTHER), rows
 
 
 @pytest.mark.parametrize("flags, message", [
