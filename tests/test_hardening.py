@@ -151,14 +151,14 @@ def test_a_replica_answers_a_refused_request_alone_and_serves_on(untokenized_dir
 
 def test_an_unexpected_add_error_fails_that_request_and_the_engine_serves_on(tiny_model_dir):
     inner = LLMEngine.from_args(str(tiny_model_dir), **ENGINE_ARGS)
-    real = inner.add_request
+    real = inner.add_processed
 
-    def add(request_id, prompt, params=None):
-        if (prompt.get("prompt") if isinstance(prompt, dict) else prompt) == "boom":  # tokenized by the server
+    def add(request_id, processed):
+        if processed.text == "boom":  # processed by the server, on a worker thread
             raise TypeError("unexpected")
-        real(request_id, prompt, params)
+        real(request_id, processed)
 
-    inner.add_request = add
+    inner.add_processed = add
     engine = AsyncLLMEngine(inner, EngineMetrics(MODEL_NAME))
     try:
         with ServerThread(build_app(engine, MODEL_NAME)) as server:
@@ -331,7 +331,7 @@ def test_a_prompt_longer_than_any_context_is_refused_before_tokenizing(tiny_mode
     limit = processor._max_prompt_chars
     monkeypatch.setattr(processor.tokenizer, "encode", lambda *a, **k: pytest.fail("tokenized"))
     with pytest.raises(ValueError, match="characters, more than max_model_len") as refused:
-        processor.tokenize("x" * (limit + 1))
+        processor.process("x" * (limit + 1), SamplingParams(max_tokens=1))
     assert refused.value.field == "prompt"
 
 

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 from mini_infer.config import EngineConfig
-from mini_infer.engine.input_processor import PromptType
+from mini_infer.engine.input_processor import ProcessedRequest, PromptType
 from mini_infer.engine.llm_engine import LLMEngine
 from mini_infer.engine.metrics import EngineMetrics
 from mini_infer.outputs import RequestOutput
@@ -63,7 +63,7 @@ class AsyncLLMEngine:
         self._config = engine.config
         self._tokenizer = engine.tokenizer
         self._default_params = engine.default_sampling_params()
-        self._processor = engine.processor  # its tokenize() only reads the tokenizer and the config
+        self._processor = engine.processor  # process() reads the tokenizer and the config; its grammar cache locks
         self.error: BaseException | None = None
         self._ended: EngineDeadError | None = None  # set by the engine thread before it fails what is left
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -111,14 +111,13 @@ class AsyncLLMEngine:
         Leaving early (break, cancellation, aclose) aborts the request."""
         self._check_alive()
         loop = asyncio.get_running_loop()
-        # Tokenized here, on a worker thread: a long text would otherwise hold every stream up on the engine's.
-        prompt = await loop.run_in_executor(None, self._processor.tokenize, prompt)
-        if params.structured_outputs is not None:  # compiled there too (cached), and refused there if it cannot be
-            await loop.run_in_executor(None, self._processor.grammars.compile, params.structured_outputs)
+        # Checked, tokenized and its grammar compiled here, on a worker thread (a refusal raises here): a long text or
+        # a new grammar would otherwise hold every stream up on the engine's thread.
+        processed = await loop.run_in_executor(None, self._processor.process, prompt,
+                                               replace(params, output_kind=RequestOutputKind.DELTA))
         stream = _Stream(loop, asyncio.Queue())
         added = loop.create_future()
-        params = replace(params, output_kind=RequestOutputKind.DELTA)
-        self._commands.put(("add", request_id, prompt, params, stream, added))
+        self._commands.put(("add", request_id, processed, stream, added))
         if self._ended is not None:  # the thread may have drained its queue before this command came
             _settle(added, self._ended)
         elif not self.healthy:  # died before it could take the command
@@ -194,10 +193,9 @@ class AsyncLLMEngine:
             else:
                 self._abort(command[1])
 
-    def _add(self, request_id: str, prompt: PromptType, params: SamplingParams, stream: _Stream,
-             added: asyncio.Future) -> None:
+    def _add(self, request_id: str, processed: ProcessedRequest, stream: _Stream, added: asyncio.Future) -> None:
         try:
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_processed(request_id, processed)
         except Exception as e:  # noqa: BLE001 - refused (ValueError) or failed: this request alone, the engine serves on
             if not isinstance(e, ValueError):
                 logger.exception("adding request %r failed; the engine serves on", request_id)

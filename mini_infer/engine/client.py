@@ -6,7 +6,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 
-from mini_infer.engine.input_processor import PromptType
+from mini_infer.engine.input_processor import ProcessedRequest, PromptType
 from mini_infer.engine.scheduler import SchedulerStats
 from mini_infer.outputs import RequestOutput
 from mini_infer.sampling_params import SamplingParams
@@ -16,6 +16,10 @@ class EngineClient(ABC):
     @abstractmethod
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
         """Queue a request (a ValueError naming the field refuses a bad one, leaving the rest served)."""
+
+    @abstractmethod
+    def add_processed(self, request_id: str, processed: ProcessedRequest) -> None:
+        """Queue a request its caller already prepared (InputProcessor.process, on another thread, say)."""
 
     @abstractmethod
     def abort_request(self, request_id: str | Iterable[str]) -> None:

@@ -29,7 +29,7 @@ from mini_infer.config import EngineConfig
 from mini_infer.executor.ranks import STOP_GRACE_S, cpu_share
 from mini_infer.engine.client import EngineClient
 from mini_infer.engine.detokenizer import load_tokenizer
-from mini_infer.engine.input_processor import InputProcessor, PromptType
+from mini_infer.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from mini_infer.engine.llm_engine import LLMEngine
 from mini_infer.engine.scheduler import SchedulerStats
 from mini_infer.errors import InvalidRequestError, WorkerDiedError
@@ -98,16 +98,25 @@ class DataParallelEngine(EngineClient):
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
         self._check_replicas()
-        if request_id in self._owner:
-            raise InvalidRequestError(f"request_id {request_id!r} is already in use by an unfinished request",
-                                      "request_id")
-        text, token_ids, params, max_tokens = self.processor.process(prompt, params)
+        self._check_id(request_id)
+        self.add_processed(request_id, self.processor.process(prompt, params))
+
+    def add_processed(self, request_id: str, processed: ProcessedRequest) -> None:
+        """Send a checked request to the replica with the least outstanding work (it prepares it again there)."""
+        self._check_replicas()
+        self._check_id(request_id)
         index = min(range(len(self.replicas)), key=lambda i: self.replicas[i].load)
         replica = self.replicas[index]
         self._seq += 1
-        self._send(index, ("add", self._seq, request_id, {"prompt": text, "prompt_token_ids": token_ids}, params))
-        replica.unreported.append((self._seq, len(token_ids) + max_tokens))
+        self._send(index, ("add", self._seq, request_id, {"prompt": processed.text,
+                                                           "prompt_token_ids": processed.token_ids}, processed.params))
+        replica.unreported.append((self._seq, len(processed.token_ids) + processed.max_tokens))
         self._owner[request_id] = index
+
+    def _check_id(self, request_id: str) -> None:
+        if request_id in self._owner:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use by an unfinished request",
+                                      "request_id")
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Ask the owning replicas to abort; each reports its aborts (finish_reason "abort") in a coming step()."""

@@ -1,23 +1,43 @@
-"""InputProcessor: a request's prompt tokenized and every input checked before anything of it runs.
+"""InputProcessor: a request's prompt tokenized, every input checked and its structured-output grammar compiled
+before anything of it runs (a ProcessedRequest).
 
-An engine uses it in add_request, and a data-parallel router uses it before picking a replica, so a bad request
-fails at once, in the caller, with an InvalidRequestError naming the field and its allowed range.
+An engine uses it in add_request, a data-parallel router before picking a replica, and the async engine on a worker
+thread (so a long prompt or a new grammar never holds the engine's thread up): a bad request fails at once, in the
+caller, with an InvalidRequestError naming the field and its allowed range.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mini_infer.config import EngineConfig
 from mini_infer.engine.structured_output import GrammarCompiler
 from mini_infer.errors import InvalidRequestError
 from mini_infer.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
 # Prompt forms: text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...} dicts (with both keys the
 # ids are the prompt and the text is kept for the outputs).
 PromptType = str | list[int] | dict
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessedRequest:
+    """A request ready for an engine: its prompt's text (None for token ids) and ids, its sampling parameters (the
+    model's defaults where none were given), the tokens it may generate, and its structured-output grammar compiled
+    (None without a constraint)."""
+
+    text: str | None
+    token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    grammar: xgr.CompiledGrammar | None = None
 
 _GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
@@ -46,9 +66,9 @@ class InputProcessor:
                      if self.generation_config.get(theirs) is not None}
         return SamplingParams(**overrides)
 
-    def process(self, prompt: PromptType, params: SamplingParams | None
-                ) -> tuple[str | None, list[int], SamplingParams, int]:
-        """(prompt text or None, prompt token ids, params (the defaults when None), max_tokens to generate)."""
+    def process(self, prompt: PromptType, params: SamplingParams | None) -> ProcessedRequest:
+        """The request checked, its prompt tokenized and its grammar compiled (cached: once per distinct
+        constraint); params None takes the model's defaults."""
         params = params if params is not None else self.default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}", "params")
@@ -56,20 +76,9 @@ class InputProcessor:
             raise InvalidRequestError("SamplingParams.stop needs a tokenizer; this model directory has none", "stop")
         check_token_ids(params.logit_bias or (), self.config.model_config.vocab_size, "logit_bias token id",
                         "logit_bias")
-        if params.structured_outputs is not None:
-            self.grammars.compile(params.structured_outputs)  # cached: compiled once per distinct constraint
+        grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs is not None else None
         text, token_ids = self._tokenize(prompt)
-        return text, token_ids, params, self._check_lengths(len(token_ids), params)
-
-    def tokenize(self, prompt: PromptType) -> PromptType:
-        """A text prompt as {"prompt": text, "prompt_token_ids": ids}, which process() takes without tokenizing
-        again (so a server can tokenize off the engine's thread); other prompts as they are."""
-        if isinstance(prompt, dict) and set(prompt) == {"prompt"}:
-            prompt = prompt["prompt"]
-        if not isinstance(prompt, str) or self.tokenizer is None:
-            return prompt
-        text, token_ids = self._tokenize(prompt)
-        return {"prompt": text, "prompt_token_ids": token_ids}
+        return ProcessedRequest(text, token_ids, params, self._check_lengths(len(token_ids), params), grammar)
 
     @functools.cached_property
     def _max_prompt_chars(self) -> int:

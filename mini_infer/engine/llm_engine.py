@@ -15,7 +15,7 @@ from mini_infer.config import EngineConfig
 from mini_infer.engine.client import EngineClient
 from mini_infer.engine.detokenizer import IncrementalDetokenizer, load_tokenizer, raw_decoder
 from mini_infer.engine.group import RequestGroup, child_id, child_params
-from mini_infer.engine.input_processor import InputProcessor, PromptType
+from mini_infer.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from mini_infer.engine.kv_cache import KVCacheManager
 from mini_infer.engine.request import Request, RequestStatus
 from mini_infer.engine.scheduler import Scheduler, SchedulerStats, StepUpdate
@@ -74,7 +74,11 @@ class LLMEngine(EngineClient):
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
         """Queue a request; with params.n > 1 its n completions run as child requests (engine/group.py)."""
-        text, token_ids, params, max_tokens = self.processor.process(prompt, params)
+        self.add_processed(request_id, self.processor.process(prompt, params))
+
+    def add_processed(self, request_id: str, processed: ProcessedRequest) -> None:
+        text, token_ids, params, max_tokens = (processed.text, processed.token_ids, processed.params,
+                                               processed.max_tokens)
         count = params.num_samples
         if count > params.n:  # best_of: the best are known only at the end, so that is when they come
             params = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
@@ -83,10 +87,8 @@ class LLMEngine(EngineClient):
             if rid in self.requests or rid in self.groups:
                 raise InvalidRequestError(f"request_id {rid!r} is already in use by an unfinished request",
                                           "request_id")
-        # Compiled (a cache hit: process() compiled it) once for the request, not once per child.
-        grammar = self.processor.grammars.compile(params.structured_outputs) if params.structured_outputs else None
         requests = [self._request(rid, text, token_ids, params if count == 1 else child_params(params, i),
-                                  max_tokens, i, request_id if count > 1 else None, grammar)
+                                  max_tokens, i, request_id if count > 1 else None, processed.grammar)
                     for i, rid in enumerate(ids)]
         for request in requests:
             self.requests[request.request_id] = request
