@@ -9,6 +9,8 @@ package's root and the LLM class).
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -79,6 +81,25 @@ def test_imports_go_downward_only():
             if target_level > level or (target_level == level and target_unit != unit and level != 0):
                 upward.append(f"{module} -> {target}")
     assert not upward, "imports that do not go down a layer:\n" + "\n".join(upward)
+
+
+# The command-line dispatcher reaches the benchmark commands (imported only when one runs); nothing else outside the
+# benchmarks may import them.
+BENCH_DISPATCH = {"mini_infer.entrypoints.cli"}
+
+
+def test_the_runtime_imports_nothing_of_the_benchmarks():
+    """What `mini-infer serve`, `generate` and `LLM` import never reaches mini_infer.bench (nor its extra's
+    matplotlib): read from the sources, and seen in a process that loads the server and builds the command line."""
+    reaching = [f"{module} -> {target}" for module, targets in sorted(import_graph().items())
+                if not module.startswith("mini_infer.bench") and module not in BENCH_DISPATCH
+                for target in sorted(targets) if target.startswith("mini_infer.bench")]
+    assert not reaching, "runtime modules that import the benchmarks:\n" + "\n".join(reaching)
+    script = ("import sys; from mini_infer import LLM; from mini_infer.entrypoints.openai import api_server; "
+              "from mini_infer.entrypoints import cli; cli._build_parser(); "
+              "print(sorted(m for m in sys.modules if m.startswith(('mini_infer.bench', 'matplotlib'))))")
+    loaded = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]", loaded
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:

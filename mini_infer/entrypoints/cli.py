@@ -21,10 +21,17 @@ _SAMPLING_FLAGS = {  # flag -> (type, SamplingParams field)
 }
 
 
+# The benchmark commands: their flags and code live in mini_infer.bench (the `bench` extra), imported only when one
+# runs, so that `serve` and `generate` load nothing of the benchmarks.
+BENCH_COMMANDS = {
+    "bench": "output tokens/s of mini-infer and HF transformers on the same prompts, weights and threads; writes a "
+             "table, JSON and a PNG chart",
+    "profile": "break one decode step at batch B down by component",
+    "bench-serve": "load-test a running server over HTTP: throughput and TTFT / TPOT / ITL / E2E latency percentiles",
+}
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    from mini_infer.bench.options import add_bench_args
-    from mini_infer.bench.profile import add_profile_args
-    from mini_infer.bench.serve import add_bench_serve_args
     from mini_infer.engine.arg_utils import EngineArgs
     from mini_infer.entrypoints.openai.api_server import add_serve_args
     from mini_infer.factory import PRESETS
@@ -54,37 +61,30 @@ def _build_parser() -> argparse.ArgumentParser:
         gen.add_argument(flag, type=kind, default=None, help="default: the model's generation_config.json")
     EngineArgs.add_cli_args(gen)
 
-    bench = commands.add_parser("bench", help="output tokens/s of mini-infer and HF transformers on the same "
-                                              "prompts, weights and threads; writes a table, JSON and a PNG chart")
-    add_bench_args(bench)
-    add_profile_args(commands.add_parser("profile", help="break one decode step at batch B down by component"))
+    for name, text in BENCH_COMMANDS.items():  # listed here; `mini-infer NAME --help` is the bench's own parser's
+        commands.add_parser(name, help=text)
     worker = commands.add_parser("worker", help="run one rank (RANK >= 1) of a torchrun-style multi-node launch; "
                                                 "give it the engine flags rank 0 runs with")
     EngineArgs.add_cli_args(worker)
     add_serve_args(commands.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, "
                                                      "streaming, metrics)"))
-    add_bench_serve_args(commands.add_parser("bench-serve", help="load-test a running server over HTTP: "
-                                                               "throughput and TTFT / TPOT / ITL / E2E latency "
-                                                               "percentiles"))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in BENCH_COMMANDS:
+        try:
+            from mini_infer.bench import cli
+        except ImportError as e:
+            print(f"mini-infer: error: `mini-infer {argv[0]}` needs the bench extra (pip install "
+                  f"'mini-infer[bench]'): {e}", file=sys.stderr)
+            return 2
+        return cli.main(argv)
     args = _build_parser().parse_args(argv)
     try:
         if args.command == "make-model":
             return _make_model(args)
-        if args.command == "bench":
-            return _bench(args)
-        if args.command == "profile":
-            from mini_infer.bench.profile import run_profile
-
-            return run_profile(args)
-        if args.command == "bench-serve":
-            from mini_infer.bench.serve import run_bench_serve
-
-            run_bench_serve(args)
-            return 0
         if args.command == "worker":
             from mini_infer.engine.arg_utils import EngineArgs
             from mini_infer.executor.ranks import run_worker
@@ -106,16 +106,6 @@ def _make_model(args) -> int:
 
     path = make_model(args.preset, args.out, seed=args.seed, dtype=args.dtype, tokenizer_from=args.tokenizer_from)
     print(f"wrote the {args.preset} preset with random weights (seed {args.seed}, {args.dtype}) to {path}")
-    return 0
-
-
-def _bench(args) -> int:
-    from mini_infer.bench.options import BenchOptions
-    from mini_infer.bench.run import run_bench
-    from mini_infer.engine.arg_utils import EngineArgs
-
-    options = BenchOptions.from_args(args)
-    run_bench(options, EngineArgs(model=options.model).resolved_model())
     return 0
 
 
