@@ -22,6 +22,7 @@ from mini_infer.bench.systems import CUDA_DEFAULT_SYSTEMS, DEFAULT_SYSTEMS, Case
 from mini_infer.config import ModelConfig
 from mini_infer.entrypoints.cli import main
 from mini_infer.factory import PRESETS, parameter_count
+from mini_infer.kernels import cpu
 from mini_infer.kernels.autotune import BUCKETS, CANDIDATES
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -327,3 +328,38 @@ def test_run_systems_interleaves_every_rep_and_drops_a_failing_optional_system()
                      ("mini-infer", 1), ("mini-infer", 2), ("mini-infer", 2), ("mini-infer", "closed")]
     assert [len(records["mini-infer"]["runs"][label]) for label in ("B=1", "B=2")] == [2, 2]
     assert records["llama.cpp"] == {"reason": "RuntimeError: llama.cpp broke", "setup": None, "runs": {}}
+
+
+def test_structured_outputs_workload_prices_each_constraint_against_plain(tiny_model_dir, tmp_path):
+    out = tmp_path / "so"
+    assert main(["bench", "--workload", "structured-outputs", "--model", str(tiny_model_dir), "--dtype", "float32",
+                 "--batch-sizes", "1,2", "--max-new-tokens", "4", "--reps", "1", "--out", str(out)]) == 0
+    report = json.loads((out / "structured-outputs.json").read_text())
+    rows = {(r["batch_size"], r["constraint"]): r for r in report["rows"]}
+    assert set(rows) == {(b, c) for b in (1, 2) for c in ("plain", "json schema", "regex")}
+    assert all(rows[(b, "plain")]["host_extra_s"] == 0 and rows[(b, "plain")]["step_vs_plain_pct"] == 0
+               for b in (1, 2))
+    # a constraint adds host work: the bitmask filled, applied, and each matcher advanced
+    assert all(rows[(b, c)]["host_extra_s"] > 0 for b in (1, 2) for c in ("json schema", "regex"))
+
+
+def test_parallel_sampling_workload_samples_the_same_tokens_both_ways(tiny_model_dir, tmp_path):
+    out = tmp_path / "ps"
+    assert main(["bench", "--workload", "parallel-sampling", "--model", str(tiny_model_dir), "--dtype", "float32",
+                 "--prompt-len", "40", "--max-new-tokens", "3", "--reps", "1", "--out", str(out)]) == 0
+    rows = {r["how"]: r for r in json.loads((out / "parallel-sampling.json").read_text())["rows"]}
+    grouped, separate = rows["n=4 (one request)"], rows["4 separate requests"]
+    assert separate["speedup"] == 1.0
+    # 4 x 40 prompt tokens asked for; the group computes its two full 16-token blocks once and the rest 4 times
+    assert grouped["prompt_tokens_computed"] == 32 + 4 * 8 < separate["prompt_tokens_computed"] <= 4 * 40
+
+
+def test_matmul_workload_times_a_steps_matmuls_on_each_path(tiny_model_dir, tmp_path):
+    out = tmp_path / "mm"
+    assert main(["bench", "--workload", "matmul", "--model", str(tiny_model_dir), "--dtype", "float32",
+                 "--batch-sizes", "1,3", "--reps", "1", "--out", str(out)]) == 0
+    report = json.loads((out / "matmul.json").read_text())
+    paths = [p for p, why in cpu.matmul_paths(torch.float32).items() if why is None]
+    assert [(r["rows"], r["system"]) for r in report["rows"]] == [(m, f"float32 {p}") for m in (1, 3) for p in paths]
+    assert all(r["step_s"] > 0 and r["gb_s"] > 0 for r in report["rows"])
+    assert [r["ratio"] for r in report["rows"] if r["system"] == report["config"]["baseline"]] == [1.0, 1.0]

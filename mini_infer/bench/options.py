@@ -14,7 +14,8 @@ from mini_infer.config import QUANTIZATION_METHODS
 from mini_infer.bench.systems import CUDA_DEFAULT_SYSTEMS, CUDA_SYSTEMS, DEFAULT_SYSTEMS, GGUF_TYPE, QUANTIZED_SYSTEMS
 from mini_infer.bench.systems import SYSTEM_NAMES as SYSTEMS
 
-WORKLOADS = ("fixed", "prefill", "random", "nano-vllm", "parallel", "shared-prefix", "long-prompt", "kl")
+WORKLOADS = ("fixed", "prefill", "random", "nano-vllm", "parallel", "shared-prefix", "long-prompt", "kl",
+             "structured-outputs", "parallel-sampling", "matmul")
 CUDA_WORKLOADS = ("fixed", "prefill", "random", "nano-vllm")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("bfloat16", "float32")
@@ -30,7 +31,11 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                              "(README: Prefix caching and chunked prefill); kl: each quantised system's KL "
                              "divergence from its unquantised model over ~2,000 tokens of text (with --quantization); "
                              "nano-vllm: nano-vllm's benchmark (256 requests of random token ids, input and output "
-                             "lengths uniform in [100, 1024], seed 0, temperature 0.6, EOS ignored)")
+                             "lengths uniform in [100, 1024], seed 0, temperature 0.6, EOS ignored); "
+                             "structured-outputs: a constraint's cost per decode step at each batch size; "
+                             "parallel-sampling: one request of n = 4 against 4 separate ones; matmul: one decode "
+                             "step's matmuls on each native path (with --quantization, quantised against bfloat16; "
+                             "--batch-sizes are its row counts, --reps its rounds)")
     parser.add_argument("--model", default=None, help="local HF-format model directory (default: the random-weight "
                                                       "qwen2.5-0.5b preset)")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
@@ -80,6 +85,7 @@ class BenchOptions:
     gguf_outtype: str | None
     reps: int
     out: Path
+    quantization: tuple[str, ...]  # --quantization's methods
     batch_sizes: tuple[int, ...]
     prompt_len: int
     max_new_tokens: int
@@ -103,6 +109,7 @@ class BenchOptions:
             raise ValueError(f"--systems must be a comma list of distinct names from {', '.join(SYSTEMS)}, "
                              f"got {named!r}")
         _check_device(args, systems)
+        methods = []
         if args.quantization is not None:
             methods = [m.strip() for m in args.quantization.split(",") if m.strip()]
             if not methods or any(m not in QUANTIZATION_METHODS for m in methods):
@@ -118,7 +125,7 @@ class BenchOptions:
             at_least_one(flag, reps if flag == "--reps" else getattr(args, flag[2:].replace("-", "_")))
         out = Path(args.out) if args.out else Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
         given = {f.name: getattr(args, f.name) for f in fields(cls)}  # the flags kept as parsed
-        return cls(**{**given, "workload": workload, "reps": reps, "out": out,
+        return cls(**{**given, "workload": workload, "reps": reps, "out": out, "quantization": tuple(methods),
                       "systems": tuple(s for s in SYSTEMS if s in systems),
                       "batch_sizes": tuple(sorted(set(int_list("--batch-sizes", args.batch_sizes)))),
                       "input_len_range": _range("--input-len-range", args.input_len_range),

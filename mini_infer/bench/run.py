@@ -8,6 +8,8 @@ import time
 from mini_infer.bench.charts import chart
 from mini_infer.bench.features import LONG_PROMPT, SHARED_PREFIX
 from mini_infer.bench.kl import KL
+from mini_infer.bench.matmul import MATMUL
+from mini_infer.bench.overheads import PARALLEL_SAMPLING, STRUCTURED_OUTPUTS
 from mini_infer.bench.options import BenchOptions
 from mini_infer.bench.prompts import NANO_VLLM_HIGH
 from mini_infer.bench.parallel import PARALLEL
@@ -18,7 +20,8 @@ from mini_infer.kernels.autotune import describe_choices
 
 WORKLOADS = {  # one per options.WORKLOADS name
     "fixed": FIXED, "prefill": PREFILL, "random": RANDOM, "nano-vllm": NANO_VLLM, "parallel": PARALLEL,
-    "shared-prefix": SHARED_PREFIX, "long-prompt": LONG_PROMPT, "kl": KL}
+    "shared-prefix": SHARED_PREFIX, "long-prompt": LONG_PROMPT, "kl": KL, "structured-outputs": STRUCTURED_OUTPUTS,
+    "parallel-sampling": PARALLEL_SAMPLING, "matmul": MATMUL}
 
 
 def _log(message: str) -> None:
@@ -66,6 +69,9 @@ def _check_lengths(options: BenchOptions, model_dir: str) -> None:
                "parallel": ("--prompt-len + --parallel-new-tokens", options.prompt_len + options.parallel_new_tokens),
                "random": ("the longest request (--input-len-range HIGH + --output-len-range HIGH)",
                           options.input_len_range[1] + options.output_len_range[1]),
-               "nano-vllm": ("nano-vllm's longest request", NANO_VLLM_HIGH + NANO_VLLM_HIGH)}.get(options.workload)
+               "nano-vllm": ("nano-vllm's longest request", NANO_VLLM_HIGH + NANO_VLLM_HIGH),
+               "structured-outputs": ("--prompt-len + --max-new-tokens", options.prompt_len + options.max_new_tokens),
+               "parallel-sampling": ("--prompt-len + --max-new-tokens", options.prompt_len + options.max_new_tokens),
+               }.get(options.workload)
     if longest is not None and longest[1] > limit:
         raise ValueError(f"{longest[0]} must be <= {limit} (the model's max_position_embeddings), got {longest[1]}")
