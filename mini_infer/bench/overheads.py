@@ -179,7 +179,8 @@ STRUCTURED_HEADLINE = ("{model} ({dtype}), {prompt_len}-token prompts, {max_new_
                        "interleaved: the median decode step of each rep, then of the reps; host work: the bitmask, "
                        "the sampler and the update, timed")
 PARALLEL_HEADLINE = ("{model} ({dtype}), one {prompt_len}-token prompt, {n} completions of {max_new_tokens} tokens "
-                     "(seeds {seeds}, the model's sampling defaults), {reps} reps interleaved, a prompt of its own each")
+                     "(seeds {seeds}, the model's sampling defaults), {reps} reps interleaved, a prompt of its own "
+                     "each")
 STRUCTURED_OUTPUTS = Workload(run_structured_outputs, lambda r: [STRUCTURED_HEADLINE.format_map(r["config"])], (
     Column("batch", "batch_size"), Column("constraint", "constraint"), Column("step ms", "step_s", "{:.2f}", 1e3),
     Column("vs plain", "step_vs_plain_pct", "{:+.1f}%"), Column("host ms", "host_s", "{:.3f}", 1e3),
