@@ -458,8 +458,9 @@ def test_metrics_count_the_requests_sent(tiny_model_dir):
 
 @pytest.mark.parametrize("rate", ["inf", "200"])
 def test_bench_serve_reports_every_level(served, tmp_path, rate):
+    from mini_infer.bench.cli import build_parser
     from mini_infer.bench.serve import ServeOptions, sample_requests
-    from mini_infer.entrypoints.cli import _build_parser, main
+    from mini_infer.entrypoints.cli import main
 
     _, server = served
     argv = ["bench-serve", "--base-url", server.url, "--api-key", API_KEY, "--num-prompts", "6",
@@ -467,7 +468,7 @@ def test_bench_serve_reports_every_level(served, tmp_path, rate):
             "--out", str(tmp_path)]
     assert main(argv) == 0
     report = json.loads((tmp_path / "serve.json").read_text())
-    options = ServeOptions.from_args(_build_parser().parse_args(argv))
+    options = ServeOptions.from_args(build_parser().parse_args(argv))
     assert [level["max_concurrency"] for level in report["levels"]] == [1, 3]
     assert sample_requests(options, 0) != sample_requests(options, 1)  # no level finds another's prompts cached
     for index, level in enumerate(report["levels"]):
@@ -485,13 +486,13 @@ def test_bench_serve_reports_every_level(served, tmp_path, rate):
 
 
 def test_bench_serve_counts_refused_requests_as_failed(served, capsys):
+    from mini_infer.bench.cli import build_parser
     from mini_infer.bench.serve import run_bench_serve
-    from mini_infer.entrypoints.cli import _build_parser
 
     _, server = served
     argv = ["bench-serve", "--base-url", server.url, "--api-key", API_KEY, "--num-prompts", "2",
             "--max-concurrency", "2", "--input-len", "8", "--output-len", "5000", "--range-ratio", "0"]
-    levels = run_bench_serve(_build_parser().parse_args(argv), log=lambda _: None)["levels"]
+    levels = run_bench_serve(build_parser().parse_args(argv), log=lambda _: None)["levels"]
     assert levels[0]["completed"] == 0 and levels[0]["failed"] == 2
     assert "HTTP 400" in levels[0]["errors"][0] and "max_model_len (4096)" in levels[0]["errors"][0]
     assert "concurrency 2 error: HTTP 400" in capsys.readouterr().out

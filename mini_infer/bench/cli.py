@@ -10,14 +10,20 @@ from mini_infer.bench.options import BenchOptions, add_bench_args
 from mini_infer.bench.profile import add_profile_args, run_profile
 from mini_infer.bench.serve import add_bench_serve_args, run_bench_serve
 
-def main(argv: list[str]) -> int:
-    """Run `mini-infer COMMAND ...` for a benchmark command (argv starts with it: entrypoints.cli.BENCH_COMMANDS)."""
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of the benchmark commands, whose argv starts with the command (entrypoints.cli.BENCH_COMMANDS)."""
     parser = argparse.ArgumentParser(prog="mini-infer")
     commands = parser.add_subparsers(dest="command", required=True)
     add_bench_args(commands.add_parser("bench"))
     add_profile_args(commands.add_parser("profile"))
     add_bench_serve_args(commands.add_parser("bench-serve"))
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    """Run `mini-infer COMMAND ...` for a benchmark command."""
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "bench":
             from mini_infer.bench.run import run_bench
