@@ -19,21 +19,26 @@ def _default(name: str):
 
 @dataclass(slots=True)
 class EngineArgs:
+    # the model and where it runs
     model: str | None = None  # None: the random-weight qwen2.5-0.5b preset, generated once into the cache
     dtype: str = _default("dtype")
     device: str = _default("device")
+    quantization: str | None = _default("quantization")
+    # the KV cache
     block_size: int = _default("block_size")
     num_kv_blocks: int | None = _default("num_kv_blocks")
     kv_cache_memory_gb: float = _default("kv_cache_memory_gb")
+    enable_prefix_caching: bool = _default("enable_prefix_caching")
+    # the scheduler
     max_num_seqs: int = _default("max_num_seqs")
     max_num_batched_tokens: int | None = _default("max_num_batched_tokens")
     max_model_len: int | None = _default("max_model_len")
+    enable_chunked_prefill: bool = _default("enable_chunked_prefill")
+    # the kernels
     cpu_kernels: str = _default("cpu_kernels")
     gpu_kernels: str = _default("gpu_kernels")
     enforce_eager: bool = _default("enforce_eager")
-    quantization: str | None = _default("quantization")
-    enable_prefix_caching: bool = _default("enable_prefix_caching")
-    enable_chunked_prefill: bool = _default("enable_chunked_prefill")
+    # parallelism
     tensor_parallel_size: int = _default("tensor_parallel_size")
     pipeline_parallel_size: int = _default("pipeline_parallel_size")
     data_parallel_size: int = _default("data_parallel_size")
@@ -62,9 +67,9 @@ class EngineArgs:
         parser.add_argument("--quantization", default=None,
                             choices=[*QUANTIZATION_METHODS, *CHECKPOINT_QUANTIZATION],
                             help="weight-only quantisation at load, of every projection and the LM head: int8 "
-                                 "(symmetric) or int4 (with zero points), in groups of 32 inputs; gptq or awq: a "
-                                 "checkpoint quantised so, which loads as it is without this flag too (README: "
-                                 "Quantised weights)")
+                                 "(symmetric) or int4 (symmetric, Q4_0's rounding rule; the LM head int8), in "
+                                 "groups of 32 inputs; gptq or awq: a checkpoint quantised so, which loads as it is "
+                                 "without this flag too (README: Quantised weights)")
         parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                             default=_default("enable_prefix_caching"),
                             help="reuse the KV blocks of cached prompt prefixes (default on)")

@@ -49,7 +49,7 @@ class _Replica:
     reported_load: int = 0  # outstanding tokens at the replica's last report
     reported_seq: int = -1  # the last add that report included
     unreported: list[tuple[int, int]] = field(default_factory=list)  # (seq, work) of adds sent since
-    stats: SchedulerStats = field(default_factory=SchedulerStats)  # at its last report
+    stats: SchedulerStats = field(default_factory=SchedulerStats.idle)  # at its last report
 
     @property
     def load(self) -> int:

@@ -270,12 +270,17 @@ class SchedulerStats:
     """What a server's metrics report of a scheduler: its queues now, the KV cache's use, preemptions and prefix-cache
     lookups so far (in prompt tokens)."""
 
-    running: int = 0
-    waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_preemptions: int = 0
-    prefix_queries: int = 0
-    prefix_hits: int = 0
+    running: int
+    waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_queries: int
+    prefix_hits: int
+
+    @classmethod
+    def idle(cls) -> SchedulerStats:
+        """A scheduler that has run nothing yet."""
+        return cls(0, 0, 0.0, 0, 0, 0)
 
 
 def _advance_grammar(request: Request, token_id: int) -> bool:

@@ -315,6 +315,18 @@ def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = No
     return out
 
 
+def caches_fit(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether a kernel can index the key and value caches as one layout: the same shape and dtype, contiguous."""
+    return (v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype and k_cache.is_contiguous()
+            and v_cache.is_contiguous())
+
+
+def describe_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> str:
+    """The caches' shapes, dtypes and contiguity, for an error message."""
+    return (f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} {k_cache.dtype} / {v_cache.dtype} (contiguous: "
+            f"{k_cache.is_contiguous()}, {v_cache.is_contiguous()})")
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
     """q [R, H, D], one query per request, over the first context_lens[r] cached tokens -> [R, H, D]."""
@@ -323,11 +335,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if q.dtype not in DTYPES or k_cache.dtype not in DTYPES or heads % kv_heads:
         raise ValueError(f"cpu attention: q {q.dtype} with {heads} heads, cache {k_cache.dtype} with {kv_heads}")
     # The kernel indexes raw memory: anything out of shape or range would read outside the caches.
-    if (v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype or cache_head_dim != head_dim
-            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
-            or block_tables.shape[0] != num_reqs or context_lens.shape != (num_reqs,)):
-        raise ValueError(f"cpu attention: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} (contiguous: "
-                         f"{k_cache.is_contiguous()}, {v_cache.is_contiguous()}), q {tuple(q.shape)}, block tables "
+    if (not caches_fit(k_cache, v_cache) or cache_head_dim != head_dim or block_tables.shape[0] != num_reqs
+            or context_lens.shape != (num_reqs,)):
+        raise ValueError(f"cpu attention: {describe_caches(k_cache, v_cache)}, q {tuple(q.shape)}, block tables "
                          f"{tuple(block_tables.shape)}, context lens {tuple(context_lens.shape)}")
     q = q.contiguous()
     block_tables = block_tables.to(torch.int64).contiguous()
@@ -349,13 +359,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     num_tokens, heads, head_dim = q.shape
     num_blocks, block_size, kv_heads, cache_head_dim = k_cache.shape
     if (q.dtype not in DTYPES or k_cache.dtype not in DTYPES or heads % kv_heads or cache_head_dim != head_dim
-            or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype
-            or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or blocks.dim() != 1
-            or blocks.shape[0] * block_size < context_len):
-        raise ValueError(f"cpu prefill attention: q {tuple(q.shape)} {q.dtype}, caches {tuple(k_cache.shape)} / "
-                         f"{tuple(v_cache.shape)} {k_cache.dtype} (contiguous: {k_cache.is_contiguous()}, "
-                         f"{v_cache.is_contiguous()}), {blocks.shape[0]} blocks of {block_size} for a context of "
-                         f"{context_len}")
+            or not caches_fit(k_cache, v_cache) or blocks.dim() != 1 or blocks.shape[0] * block_size < context_len):
+        raise ValueError(f"cpu prefill attention: q {tuple(q.shape)} {q.dtype}, {describe_caches(k_cache, v_cache)}, "
+                         f"{blocks.shape[0]} blocks of {block_size} for a context of {context_len}")
     q = q.contiguous()
     blocks = blocks.to(torch.int64).contiguous()
     out = torch.empty_like(q)
@@ -370,14 +376,18 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out
 
 
+def span(values: torch.Tensor) -> str:
+    """`[lowest, highest]` of a tensor's values, for an error message."""
+    lowest, highest = (int(v) for v in torch.aminmax(values))
+    return f"[{lowest}, {highest}]"
+
+
 def attention_range_error(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
                           num_blocks: int) -> ValueError:
     """What the attention kernel refused (it returned 1): the ranges it found and the ones it allows."""
-    shortest, longest = (int(v) for v in torch.aminmax(context_lens))
-    lowest, highest = (int(v) for v in torch.aminmax(block_tables))
-    return ValueError(f"cpu attention: context lengths in [{shortest}, {longest}] (must be in [1, "
-                      f"{block_tables.shape[1] * block_size}]), block ids in [{lowest}, {highest}] (must be "
-                      f"in [0, {num_blocks - 1}])")
+    return ValueError(f"cpu attention: context lengths in {span(context_lens)} (must be in [1, "
+                      f"{block_tables.shape[1] * block_size}]), block ids in {span(block_tables)} (must be in [0, "
+                      f"{num_blocks - 1}])")
 
 
 _SHM_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float64: 2}

@@ -34,11 +34,15 @@ using gemm512::BF16;
 using gemm512::to_bf16;
 constexpr int64_t kNextGroupBytes = 256 * 1024;  // the largest panel group whose successor is prefetched (tile())
 
-struct F32Panels {
-    using W = float;
-    using X = float;
+// A layout (the weights' element type W, x's X, the k per step KSTEP) whose step of a panel is one register.
+struct OneRegister {
     using WV = __m512;
     using XV = __m512;
+};
+
+struct F32Panels : OneRegister {
+    using W = float;
+    using X = float;
     static constexpr int KSTEP = 1;
     static inline __m512 weights(const W* p) { return _mm512_loadu_ps(p); }
     static inline __m512 broadcast(const X* x) { return _mm512_set1_ps(*x); }
@@ -66,11 +70,9 @@ struct BF16PairsWidened {
 };
 
 #if GEMM_BF16
-struct BF16Pairs {
+struct BF16Pairs : OneRegister {
     using W = uint16_t;
     using X = uint16_t;
-    using WV = __m512;
-    using XV = __m512;
     static constexpr int KSTEP = 2;
     static inline __m512 weights(const W* p) { return _mm512_castsi512_ps(_mm512_loadu_si512(p)); }
     static inline __m512 broadcast(const X* x) {

@@ -39,21 +39,13 @@ enum Prefetch : int { NEAR = 0, FAR = 1 };  // as cpu_gemm_avx512.cpp's
 constexpr int PANEL = 16;
 constexpr int MAX_GROUP = 512;
 
+// The operations both widths spell alike (SIMD(op): _mm512_op or _mm256_op), written once after the two blocks.
 #if QUANT_AVX512
+#define SIMD(op) _mm512_##op
 constexpr int LANES = 16;
 using VI = __m512i;
 using VF = __m512;
 inline VI izero() { return _mm512_setzero_si512(); }
-inline VF fzero() { return _mm512_setzero_ps(); }
-inline VF fset1(float v) { return _mm512_set1_ps(v); }
-inline VF ffma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
-inline VF fmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
-inline VF to_float(VI v) { return _mm512_cvtepi32_ps(v); }
-inline VI pair_broadcast(const int16_t* x) {
-    int32_t pair;
-    memcpy(&pair, x, sizeof pair);
-    return _mm512_set1_epi32(pair);
-}
 // acc += the int16 pair products of w and x, summed per 32-bit lane.
 inline VI dot(VI acc, VI w, VI x) {
 #if QUANT_VNNI
@@ -91,9 +83,6 @@ inline void store16(float* dst, const VF* v) { _mm512_storeu_ps(dst, v[0]); }
 inline float reduce_max(VF v) { return _mm512_reduce_max_ps(v); }
 inline float reduce_add(VF v) { return _mm512_reduce_add_ps(v); }
 inline VF vabs(VF v) { return _mm512_abs_ps(v); }
-inline VF vmax(VF a, VF b) { return _mm512_max_ps(a, b); }
-inline VF vadd(VF a, VF b) { return _mm512_add_ps(a, b); }
-inline VF vload_f(const float* p) { return _mm512_loadu_ps(p); }
 // LANES floats times `scale`, rounded to nearest even, clamped to [-32767, 32767], stored as int16.
 inline void store_rounded(int16_t* dst, VF v, VF scale) {
     __m512i i = _mm512_cvtps_epi32(_mm512_mul_ps(v, scale));
@@ -101,20 +90,11 @@ inline void store_rounded(int16_t* dst, VF v, VF scale) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(i));
 }
 #else
+#define SIMD(op) _mm256_##op
 constexpr int LANES = 8;
 using VI = __m256i;
 using VF = __m256;
 inline VI izero() { return _mm256_setzero_si256(); }
-inline VF fzero() { return _mm256_setzero_ps(); }
-inline VF fset1(float v) { return _mm256_set1_ps(v); }
-inline VF ffma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
-inline VF fmul(VF a, VF b) { return _mm256_mul_ps(a, b); }
-inline VF to_float(VI v) { return _mm256_cvtepi32_ps(v); }
-inline VI pair_broadcast(const int16_t* x) {
-    int32_t pair;
-    memcpy(&pair, x, sizeof pair);
-    return _mm256_set1_epi32(pair);
-}
 inline VI dot(VI acc, VI w, VI x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x)); }
 // As the AVX-512 ones (above), for each half of the panel (columns 0-7, then 8-15): w[pair * L + half].
 inline void int8_pairs(const uint8_t* p, VI* w) {
@@ -159,9 +139,6 @@ inline float reduce_add(VF v) {
     return _mm_cvtss_f32(_mm_add_ss(m, _mm_shuffle_ps(m, m, 1)));
 }
 inline VF vabs(VF v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v); }
-inline VF vmax(VF a, VF b) { return _mm256_max_ps(a, b); }
-inline VF vadd(VF a, VF b) { return _mm256_add_ps(a, b); }
-inline VF vload_f(const float* p) { return _mm256_loadu_ps(p); }
 inline void store_rounded(int16_t* dst, VF v, VF scale) {
     __m256i i = _mm256_cvtps_epi32(_mm256_mul_ps(v, scale));
     i = _mm256_min_epi32(_mm256_max_epi32(i, _mm256_set1_epi32(-32767)), _mm256_set1_epi32(32767));
@@ -169,6 +146,20 @@ inline void store_rounded(int16_t* dst, VF v, VF scale) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), packed);
 }
 #endif
+inline VF fzero() { return SIMD(setzero_ps)(); }
+inline VF fset1(float v) { return SIMD(set1_ps)(v); }
+inline VF ffma(VF a, VF b, VF c) { return SIMD(fmadd_ps)(a, b, c); }
+inline VF fmul(VF a, VF b) { return SIMD(mul_ps)(a, b); }
+inline VF vmax(VF a, VF b) { return SIMD(max_ps)(a, b); }
+inline VF vadd(VF a, VF b) { return SIMD(add_ps)(a, b); }
+inline VF vload_f(const float* p) { return SIMD(loadu_ps)(p); }
+inline VF to_float(VI v) { return SIMD(cvtepi32_ps)(v); }
+inline VI pair_broadcast(const int16_t* x) {
+    int32_t pair;
+    memcpy(&pair, x, sizeof pair);
+    return SIMD(set1_epi32)(pair);
+}
+#undef SIMD
 // The weight stream ahead of a step's cache line (every build: on a Zen 3 with AVX2 only, one row's int8 matmuls
 // streamed at 0.66-0.76 of the bf16 kernel's rate without it, 0.80-0.83 with NEAR and 0.78-0.85 with FAR). NEAR's
 // distance in steps: the AVX2 build's 256 (16 KB) against 64 timed one row's int8 matmuls over a 0.5B model's
@@ -186,7 +177,7 @@ constexpr int64_t NEAR_STEPS = 256;
 // step timed against the bf16 kernel's in 30 rounds, the order shuffled each round, in a C++ harness): the
 // AVX512_VNNI build 1.78-1.79x the bf16 kernel's speed in three runs against 1.74-1.76x; the AVX2 build 1.66x and
 // 1.49x in two runs against 1.63x and 1.43x. Distances of 3-12 KB measured within 2-3 % of each other, into L1 (T0)
-// 10-14 % slower (docs/BENCHMARKS.md, eighth part). NEAR: NEAR_STEPS steps ahead on the share, into L1.
+// 10-14 % slower (docs/decisions/004-weight-prefetch.md). NEAR: NEAR_STEPS steps ahead on the share, into L1.
 constexpr int64_t FAR_BYTES = 4096;
 // Only within the thread's share of the panels (`limit`: its end): past it, a prefetch fetched lines that this core
 // never reads. Clamped, the 0.5B shape's one-row int4 matmuls (the AVX512_VNNI build, FAR as then: 128 KB ahead, on
@@ -232,16 +223,22 @@ inline void store_columns(const Problem& p, int m, int n0, const VF* acc) {
     store_columns_f32(p.out, p.out_dtype, p.N, p.bias, m, n0, values);
 }
 
-// Rows m0 .. m0 + MR of out against panels panel0 .. panel0 + NP; `limit`: the end of the thread's panels.
-template <int BITS, int MR, int NP, int PF>
-inline void tile(const Problem& p, int m0, int panel0, const uint8_t* limit) {
-    VF acc[MR][NP][L];
+// Every register of a tile's MR x NP x L accumulators set to `value`.
+template <typename V, int MR, int NP>
+inline void fill(V (&registers)[MR][NP][L], V value) {
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 8
         for (int j = 0; j < NP; ++j)
 #pragma GCC unroll 2
-            for (int h = 0; h < L; ++h) acc[i][j][h] = fzero();
+            for (int h = 0; h < L; ++h) registers[i][j][h] = value;
+}
+
+// Rows m0 .. m0 + MR of out against panels panel0 .. panel0 + NP; `limit`: the end of the thread's panels.
+template <int BITS, int MR, int NP, int PF>
+inline void tile(const Problem& p, int m0, int panel0, const uint8_t* limit) {
+    VF acc[MR][NP][L];
+    fill(acc, fzero());
     const int groups = p.Kp / p.G;
     constexpr int64_t STEP_BYTES = 64;  // a panel's bytes per step: 4 k (int8) or 8 k (int4) of 16 columns
     constexpr int STEP_K = BITS == INT8 ? 4 : 8, PAIRS = STEP_K / 2;
@@ -252,12 +249,7 @@ inline void tile(const Problem& p, int m0, int panel0, const uint8_t* limit) {
     const int16_t* x = p.x + static_cast<int64_t>(m0) * p.Kp;
     for (int g = 0; g < groups; ++g) {
         VI sum[MR][NP][L];
-#pragma GCC unroll 8
-        for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 8
-            for (int j = 0; j < NP; ++j)
-#pragma GCC unroll 2
-                for (int h = 0; h < L; ++h) sum[i][j][h] = izero();
+        fill(sum, izero());
         for (int k = g * p.G; k < (g + 1) * p.G; k += STEP_K) {
             const int64_t at = static_cast<int64_t>(k / STEP_K) * STEP_BYTES;
             // x's pairs first, then one panel at a time (its weights used at once: all of them live at once spilled

@@ -85,14 +85,12 @@ def rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     # The kernel indexes raw memory: anything out of shape or range would write outside the caches.
     if (qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * kv_heads) * head_dim or head_dim % 2
             or qkv.dtype not in cpu.DTYPES or any(t.dtype != qkv.dtype for t in (cos, sin, k_cache, v_cache))
-            or cos.shape != sin.shape or cos.shape[1:] != (head_dim,) or v_cache.shape != k_cache.shape
-            or not (k_cache.is_contiguous() and v_cache.is_contiguous() and cos.is_contiguous()
-                    and sin.is_contiguous())
+            or cos.shape != sin.shape or cos.shape[1:] != (head_dim,) or not cpu.caches_fit(k_cache, v_cache)
+            or not (cos.is_contiguous() and sin.is_contiguous())
             or positions.shape != (num_tokens,) or slot_mapping.shape != (num_tokens,)):
-        raise ValueError(f"rope_kv_write: qkv {tuple(qkv.shape)} {qkv.dtype} for {num_heads} heads, caches "
-                         f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)} {k_cache.dtype} (contiguous: "
-                         f"{k_cache.is_contiguous()}, {v_cache.is_contiguous()}), cos/sin {tuple(cos.shape)} "
-                         f"{cos.dtype}, positions {tuple(positions.shape)}, slot mapping {tuple(slot_mapping.shape)}")
+        raise ValueError(f"rope_kv_write: qkv {tuple(qkv.shape)} {qkv.dtype} for {num_heads} heads, "
+                         f"{cpu.describe_caches(k_cache, v_cache)}, cos/sin {tuple(cos.shape)} {cos.dtype}, "
+                         f"positions {tuple(positions.shape)}, slot mapping {tuple(slot_mapping.shape)}")
     qkv = qkv.contiguous()
     positions = positions.to(torch.int64).contiguous()
     slot_mapping = slot_mapping.to(torch.int64).contiguous()
@@ -109,10 +107,8 @@ def rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
 def rope_range_error(slot_mapping: torch.Tensor, positions: torch.Tensor, num_slots: int,
                      max_positions: int) -> ValueError:
     """What the RoPE/KV-write kernel refused (it returned 1): the ranges it found and the ones it allows."""
-    lowest, highest = (int(v) for v in torch.aminmax(slot_mapping))
-    first, last = (int(v) for v in torch.aminmax(positions))
-    return ValueError(f"rope_kv_write: slots in [{lowest}, {highest}] (must be in [0, {num_slots - 1}]), positions "
-                      f"in [{first}, {last}] (must be in [0, {max_positions - 1}])")
+    return ValueError(f"rope_kv_write: slots in {cpu.span(slot_mapping)} (must be in [0, {num_slots - 1}]), positions "
+                      f"in {cpu.span(positions)} (must be in [0, {max_positions - 1}])")
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
