@@ -71,6 +71,7 @@ def test_fixed_workload_writes_table_json_and_chart(tiny_model_dir, tmp_path, ca
     assert "mini-infer matmul per weight shape and batch-size bucket (autotuned):" in printed
     assert "mini-infer: kernels: native CPU kernels" in printed
     assert (out / "fixed.png").read_bytes().startswith(PNG_MAGIC)
+    assert (out / "fixed.txt").read_text() in printed  # the printed table, word for word
 
 
 def test_random_workload_writes_table_json_and_chart(tiny_model_dir, tmp_path, capsys):

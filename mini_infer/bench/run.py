@@ -1,4 +1,4 @@
-"""One `mini-infer bench` invocation: run the chosen workload, print its table, write its JSON and PNG."""
+"""One `mini-infer bench` invocation: run the chosen workload, print its table, write its table, JSON and PNG."""
 
 from __future__ import annotations
 
@@ -29,18 +29,20 @@ def _log(message: str) -> None:
 
 
 def run_bench(options: BenchOptions, model_dir: str) -> None:
-    """Run the workload, print its table, and write <workload>.json and <workload>.png into options.out."""
+    """Run the workload, print its table, and write <workload>.txt, .json and .png into options.out."""
     _check_lengths(options, model_dir)
     options.out.mkdir(parents=True, exist_ok=True)
     workload = WORKLOADS[options.workload]
     header = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine_info(options.device),
               "versions": versions()}
     report = {**header, **workload.run(options, model_dir, _log)}
-    json_path, png_path = options.out / f"{options.workload}.json", options.out / f"{options.workload}.png"
-    write_json(json_path, report)
-    chart(png_path, *workload.chart(report))
-    print(table(workload, report))
-    print(f"\nwrote {json_path} and {png_path}")
+    stem = options.out / options.workload
+    write_json(stem.with_suffix(".json"), report)
+    chart(stem.with_suffix(".png"), *workload.chart(report))
+    text = table(workload, report)
+    stem.with_suffix(".txt").write_text(text + "\n")
+    print(text)
+    print(f"\nwrote {stem}.txt, .json and .png")
 
 
 def table(workload: Workload, report: dict) -> str:
