@@ -1,4 +1,4 @@
-"""mini-infer: a small LLM inference engine for the Qwen2.5 family with vLLM's public names."""
+"""mini-infer: a small LLM inference engine for Qwen2.5, Qwen3 (dense) and Llama 3 with vLLM's public names."""
 
 from mini_infer.engine.llm_engine import LLMEngine
 from mini_infer.llm import LLM

@@ -275,9 +275,10 @@ CPU_KERNEL_MODES = ("auto", "on", "off")  # what each means: mini_infer.model.op
 # in Triton's interpreter (TRITON_INTERPRET=1: how the tests check the GPU path without a GPU); off runs torch ops.
 GPU_KERNEL_MODES = ("auto", "on", "off")
 QUANTIZATION_METHODS = ("int8", "int4")  # weight-only, quantised at load (mini_infer.kernels.quant)
-# Tokens per step with chunked prefill. Prefill is compute-bound: the 0.5B shape prefills ~140-190 tokens/s in
-# bfloat16 on the 2-core machines here (docs/BENCHMARKS.md), so a 512-token step holds the running streams up for
-# ~3 s; a smaller budget shortens that stall and batches less prompt work per weight read. Not tuned beyond that.
+# Tokens per step with chunked prefill. Prefill is compute-bound, so the budget sets how long a step that carries
+# prompt tokens holds the running streams up (0.8-3.7 s p99 at 512 on the 2-core machines here, against 2-12 s
+# unchunked); a smaller budget shortens that stall and batches less prompt work per weight read. Why 512, with the
+# measurements: docs/decisions/011-chunked-prefill-budget-512.md.
 DEFAULT_CHUNKED_BUDGET = 512
 # On a GPU a step's tokens cost little until they fill its matrix units, and every step costs a launch sequence:
 # 8192 (vLLM's default for serving) keeps a batch of long prompts to a few steps.

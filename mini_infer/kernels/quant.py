@@ -26,14 +26,16 @@ from mini_infer.kernels import cpu
 from mini_infer.kernels.build import KernelUnavailable
 
 # Inputs per scale. 32 as llama.cpp's Q8_0 / Q4_0 blocks: per output channel (int8) or groups of 128 (int4) gave
-# a larger mean KL divergence from the bf16 model than llama.cpp's formats of the same bits (docs/BENCHMARKS.md).
+# a larger mean KL divergence from the bf16 model than llama.cpp's formats of the same bits
+# (docs/decisions/002-int4-q4_0-rule.md).
 # int4 is symmetric (Q4_0's integers for a bf16 checkpoint, 4.5 bits a weight): with a zero point per group too (5
-# bits) its KL was 23 % lower, but the top-1 token matched the bf16 model's at 27 % of positions against Q4_0's 31 %
-# on the random 0.5B model, whose top-1 tokens are few (two of them 27 % of the positions), so that one coherent
-# shift flips many; Q4_0's rule matched at 31 %.
+# bits) its KL was 21 % lower, but the top-1 token matched the bf16 model's at 27 % of positions against 32 % by
+# Q4_0's rule, on the random 0.5B model, whose top-1 tokens are few (two of them 27 % of the positions), so that
+# one coherent shift flips many.
 GROUP_SIZE = {"int8": 32, "int4": 32}
 # The LM head's method: int4 models keep it in int8, as llama.cpp's Q4_0 mix keeps its output tensor at 6-8 bits
-# (with the head in int4 too, the top-1 token differed from the bf16 model's at 75 % of positions; docs/BENCHMARKS.md).
+# (with the head in int4 too, the top-1 token differed from the bf16 model's at 75 % of positions;
+# docs/decisions/003-int8-lm-head-for-int4.md).
 # Only where the native kernels run (torch has no int8 group matmul).
 HEAD_METHOD = {"int8": "int8", "int4": "int8"}
 PANEL = 16  # output columns per panel (cpu_gemm_quant.cpp)
