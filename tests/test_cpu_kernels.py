@@ -170,7 +170,8 @@ def reference_decode_attention(q, k_cache, v_cache, block_tables, context_lens):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(4, 1, 16, 4), (14, 2, 64, 16), (6, 6, 12, 3)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(4, 1, 16, 4), (14, 2, 64, 16), (6, 6, 12, 3),
+                                                             (8, 2, 128, 16), (2, 1, 72, 4)])
 def test_decode_attention_matches_float64(dtype, heads, kv_heads, head_dim, block_size):
     gen = torch.Generator().manual_seed(heads * 100 + head_dim)
     context_lens = torch.tensor([1, 5, block_size, 37, 2 * block_size + 1])
@@ -249,6 +250,43 @@ def test_prefill_attention_matches_float64(dtype, heads, kv_heads, head_dim, blo
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bfloat16: the output is rounded to 8 mantissa bits
     torch.testing.assert_close(out.double(), reference_prefill_attention(q, k_cache, v_cache, blocks, context_len),
                                rtol=tol, atol=tol)
+
+
+# bfloat16 q and caches with heads a multiple of 32 wide run the AVX512_BF16 build where the CPU has it
+# (cpu.attention_kernel), the float32-arithmetic kernels elsewhere: both against float64 here, whichever the CPU picks
+# for the model. Query groups of 7, of 10 (two passes of at most 8 heads) and of 1; a block size of 5 (gathers that
+# cross blocks); contexts with odd tails; NaN in every slot past a context.
+ATTENTION_KERNELS = {"float32 arithmetic": "", "avx512_bf16": "_bf16"}
+
+
+@pytest.mark.parametrize("kernel", ATTENTION_KERNELS)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(14, 2, 64, 16), (20, 2, 128, 5), (8, 8, 32, 16)])
+def test_both_bf16_attention_kernels_match_float64(monkeypatch, kernel, heads, kv_heads, head_dim, block_size):
+    suffix = ATTENTION_KERNELS[kernel]
+    if suffix and (why := cpu.kernel_reason("paged_decode_attention_bf16")) is not None:
+        pytest.skip(f"the AVX512_BF16 attention does not run here: {why}")
+    monkeypatch.setattr(cpu, "attention_kernel", lambda kind, *_: kind + suffix)
+    gen = torch.Generator().manual_seed(heads + head_dim + block_size)
+    context_lens = torch.tensor([1, 2, 31, 33, 70, 97])
+    max_blocks = -(-97 // block_size) + 1
+    num_blocks = len(context_lens) * max_blocks + 2
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).bfloat16()
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).bfloat16()
+    tables = torch.randperm(num_blocks, generator=gen)[: len(context_lens) * max_blocks].view(-1, max_blocks)
+    for r, n in enumerate(context_lens.tolist()):
+        for t in range(n, max_blocks * block_size):
+            k_cache[tables[r, t // block_size], t % block_size] = float("nan")
+            v_cache[tables[r, t // block_size], t % block_size] = float("nan")
+    q = torch.randn(len(context_lens), heads, head_dim, generator=gen).bfloat16()
+    out = cpu.paged_decode_attention(q, k_cache, v_cache, tables, context_lens)
+    torch.testing.assert_close(out.double(), reference_decode_attention(q, k_cache, v_cache, tables, context_lens),
+                               rtol=1e-2, atol=1e-2)
+    for r, query_len in [(2, 31), (3, 9), (4, 70), (5, 1)]:  # whole prompts and chunks after cached tokens
+        n = int(context_lens[r])
+        q = torch.randn(query_len, heads, head_dim, generator=gen).bfloat16()
+        out = cpu.paged_prefill_attention(q, k_cache, v_cache, tables[r], n)
+        torch.testing.assert_close(out.double(), reference_prefill_attention(q, k_cache, v_cache, tables[r], n),
+                                   rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("spoil, message", [

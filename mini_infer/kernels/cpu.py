@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +49,7 @@ class _Kernel:
     enable: str | None = None  # a function of the library that must return 0 (the OS's permission) before it runs
 
 
+_AVX512_BF16_NEEDS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 _KERNELS = {
     "gemm": _Kernel("cpu_gemm.cpp", "gemm", [_P, _I] * 4 + [_I] * 4, None, _AVX2, ("avx2", "fma")),
     "gemm_avx512": _Kernel("cpu_gemm_avx512.cpp", "gemm_avx512", [_P, _I, _P, _P, _I, _P] + [_I] * 6, None,
@@ -74,6 +76,13 @@ _KERNELS = {
                                       [_P] * 6 + [_I] * 8 + [ctypes.c_int64, _F, _I], _I, _AVX2, ("avx2", "fma")),
     "paged_prefill_attention": _Kernel("cpu_attention.cpp", "paged_prefill_attention",
                                        [_P] * 5 + [_I] * 8 + [ctypes.c_int64, _F, _I], _I, _AVX2, ("avx2", "fma")),
+    # The same two for bfloat16 models where the CPU has AVX512_BF16 (the source's second build; attention_kernel).
+    "paged_decode_attention_bf16": _Kernel("cpu_attention.cpp", "paged_decode_attention_bf16",
+                                           [_P] * 6 + [_I] * 8 + [ctypes.c_int64, _F, _I], _I,
+                                           [*_AVX512, "-mavx512bf16"], _AVX512_BF16_NEEDS),
+    "paged_prefill_attention_bf16": _Kernel("cpu_attention.cpp", "paged_prefill_attention_bf16",
+                                            [_P] * 5 + [_I] * 8 + [ctypes.c_int64, _F, _I], _I,
+                                            [*_AVX512, "-mavx512bf16"], _AVX512_BF16_NEEDS),
     # kernels/fused.py: a decoder layer's elementwise steps, one library.
     "add_rms_norm": _Kernel("cpu_fused.cpp", "add_rms_norm", [_P] * 5 + [_I] * 3 + [_F, _I, _I], None, _FUSED,
                             ("avx2", "fma")),
@@ -96,7 +105,8 @@ _KERNELS = {
 # has them (MATMUL_PATHS), and the OPTIONAL ones each take over one job where they build (torch's, or the per-op path,
 # does it where they do not; Ops' note says which are missing).
 REQUIRED = ("gemm", "paged_decode_attention", "paged_prefill_attention", "add_rms_norm", "silu_mul", "rope_kv_write")
-OPTIONAL = ("argmax_rows", "top_k_rows", "mask_rows", "decode_layers", "shm_allreduce")
+OPTIONAL = ("argmax_rows", "top_k_rows", "mask_rows", "decode_layers", "shm_allreduce", "paged_decode_attention_bf16",
+            "paged_prefill_attention_bf16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,6 +337,18 @@ def describe_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> str:
             f"{k_cache.is_contiguous()}, {v_cache.is_contiguous()})")
 
 
+@functools.cache
+def attention_kernel(kind: str, q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, cache_numel: int) -> str:
+    """The kernel that runs `kind` ("paged_decode_attention" or "paged_prefill_attention") for these tensors: the
+    AVX512_BF16 build for bfloat16 q and caches, heads a multiple of 32 wide, where the CPU runs it (and the decode
+    kernel's 32-bit gather offsets reach every cache element), else the float32-arithmetic kernel."""
+    fast = f"{kind}_bf16"
+    if (q_dtype == cache_dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 512
+            and cache_numel // 2 < 2 ** 31 and kernel_reason(fast) is None):
+        return fast
+    return kind
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
     """q [R, H, D], one query per request, over the first context_lens[r] cached tokens -> [R, H, D]."""
@@ -344,7 +366,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     context_lens = context_lens.to(torch.int64).contiguous()
     out = torch.empty_like(q)
     # The kernel checks the context lengths and block ids before it reads anything (1: out of range).
-    if native_function("paged_decode_attention")(
+    if native_function(attention_kernel("paged_decode_attention", q.dtype, k_cache.dtype, head_dim,
+                                     k_cache.numel()))(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
             out.data_ptr(), DTYPE_CODES[q.dtype], DTYPE_CODES[k_cache.dtype], num_reqs, heads, kv_heads, head_dim,
             block_size, block_tables.shape[1], num_blocks, 1.0 / math.sqrt(head_dim), torch.get_num_threads()):
@@ -366,7 +389,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     blocks = blocks.to(torch.int64).contiguous()
     out = torch.empty_like(q)
     # The kernel checks the query count and the block ids the context needs before it reads anything (1: refused).
-    if native_function("paged_prefill_attention")(
+    if native_function(attention_kernel("paged_prefill_attention", q.dtype, k_cache.dtype, head_dim,
+                                     k_cache.numel()))(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), blocks.data_ptr(), out.data_ptr(),
             DTYPE_CODES[q.dtype], DTYPE_CODES[k_cache.dtype], num_tokens, context_len, heads, kv_heads, head_dim,
             block_size, num_blocks, 1.0 / math.sqrt(head_dim), torch.get_num_threads()):

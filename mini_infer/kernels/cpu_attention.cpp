@@ -163,10 +163,10 @@ void attend(const Args& a, int r, int kv_head, Scratch& s) {
         const float* p = s.scores.data() + static_cast<size_t>(g) * ctx;
         float* acc = s.acc.data() + static_cast<size_t>(g) * D;
         int d = 0;
-        for (; d + 64 <= D; d += 64) weighted_sum<8>(s.value_rows.data(), p, ctx, acc + d);
-        if (d < D) {  // the last columns: shifted row pointers, 8 at a time, then one by one
-            s.shifted.resize(ctx);
-            for (int t = 0; t < ctx; ++t) s.shifted[t] = s.value_rows[t] + d;
+        s.shifted.assign(s.value_rows.begin(), s.value_rows.end());  // each row's columns d .. (advanced below)
+        for (; d + 64 <= D; d += 64) {
+            weighted_sum<8>(s.shifted.data(), p, ctx, acc + d);
+            for (int t = 0; t < ctx; ++t) s.shifted[t] += 64;
         }
         for (; d + 8 <= D; d += 8) {
             weighted_sum<1>(s.shifted.data(), p, ctx, acc + d);
@@ -367,3 +367,296 @@ extern "C" int paged_prefill_attention(const void* q, const void* k_cache, const
     }
     return 0;
 }
+
+#ifdef __AVX512BF16__
+// The same two kernels for bfloat16 q, caches and out where the CPU has AVX512_BF16 (built a second time with it),
+// D a multiple of 32: products of bfloat16 pairs summed into float32 by vdpbf16ps, 32 per instruction against the
+// float32 kernels' 8 per FMA. q and K enter as the model holds them (q is scaled after, in the float32 scores); the
+// softmax weights are rounded to bfloat16 for the weighted sum of V, as GPU flash attention does; every sum is float32.
+// Scores take 16 keys per vector (one key per lane, a (d, d + 1) pair of each per 32-bit element); the weighted sum
+// takes 16 output columns per vector (one column per lane, the pair of two consecutive keys' values).
+namespace {
+
+inline __m512 dp(__m512 acc, __m512i a, __m512i b) {
+    return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
+}
+
+inline uint32_t word(const uint16_t* pair) {  // two consecutive bfloat16 as one 32-bit element
+    uint32_t w;
+    memcpy(&w, pair, sizeof w);
+    return w;
+}
+
+// n float32 -> bfloat16 (round to nearest even), zero-padded to `to` (even).
+inline void round_row(const float* src, int n, int to, uint16_t* dst) {
+    int t = 0;
+    for (; t + 32 <= n; t += 32) {
+        const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + t + 16), _mm512_loadu_ps(src + t));
+        _mm512_storeu_si512(dst + t, reinterpret_cast<__m512i>(pair));
+    }
+    for (; t < n; ++t) dst[t] = f32_to_bf16(src[t]);
+    for (; t < to; ++t) dst[t] = 0;
+}
+
+constexpr int MAX_G = 8;  // query heads per pass over a KV head's rows (accumulators held in registers)
+
+struct DecodeScratch {
+    std::vector<float> scores, out;
+    std::vector<uint16_t> weights;
+};
+
+// One request and KV head, query heads g0 .. g0 + G (G <= MAX_G).
+void attend_bf16(const Args& a, int r, int kv_head, int g0, int G, DecodeScratch& s) {
+    const int D = a.D, P = D / 2, ctx = static_cast<int>(a.context_lens[r]);
+    const int ctx_pad = (ctx + 31) / 32 * 32;
+    const int64_t* blocks = a.block_tables + static_cast<int64_t>(r) * a.max_blocks;
+    const auto* k_cache = static_cast<const uint16_t*>(a.k_cache);
+    const auto* v_cache = static_cast<const uint16_t*>(a.v_cache);
+    const auto* q = static_cast<const uint16_t*>(a.q) + (static_cast<int64_t>(r) * a.H + kv_head * (a.H / a.KVH) + g0) * D;
+    auto row = [&](int t) { return ((blocks[t / a.block_size] * a.block_size + t % a.block_size) * a.KVH + kv_head) * D; };
+    s.scores.resize(static_cast<size_t>(G) * ctx_pad);
+    // Scores, 16 keys at a time: lane j holds key t0 + j's pair p, gathered from its cache row (keys past the
+    // context are masked out of the gather: zero, never read).
+    const int lines = (D * 2 + 63) / 64;  // cache lines per row
+    for (int t0 = 0; t0 < ctx; t0 += 16) {
+        alignas(64) int32_t index[16];
+        const int n = std::min(16, ctx - t0);
+        // The gathers' scattered rows train no hardware prefetcher: fetch the next 16 keys' K rows, and this 16's
+        // V rows for the weighted sum below (a request's rows of one head fit in L2 at these context lengths).
+        for (int j = 0; j < n; ++j) {
+            const char* v = reinterpret_cast<const char*>(v_cache + row(t0 + j));
+            const char* k = t0 + 16 + j < ctx ? reinterpret_cast<const char*>(k_cache + row(t0 + 16 + j)) : nullptr;
+            for (int l = 0; l < lines; ++l) {
+                _mm_prefetch(v + 64 * l, _MM_HINT_T0);
+                if (k) _mm_prefetch(k + 64 * l, _MM_HINT_T0);
+            }
+        }
+        for (int j = 0; j < 16; ++j) index[j] = j < n ? static_cast<int32_t>(row(t0 + j) / 2) : 0;
+        const __m512i idx = _mm512_load_si512(index);
+        const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
+        __m512 acc[MAX_G];
+        for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+        for (int p = 0; p < P; ++p) {
+            const __m512i keys = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, idx,
+                                                             reinterpret_cast<const int*>(k_cache) + p, 4);
+            for (int g = 0; g < G; ++g)
+                acc[g] = dp(acc[g], _mm512_set1_epi32(static_cast<int>(word(q + g * D + 2 * p))), keys);
+        }
+        for (int g = 0; g < G; ++g)
+            _mm512_storeu_ps(s.scores.data() + static_cast<size_t>(g) * ctx_pad + t0,
+                             _mm512_mul_ps(acc[g], _mm512_set1_ps(a.scale)));
+    }
+    float totals[MAX_G];
+    s.weights.resize(static_cast<size_t>(G) * ctx_pad);
+    for (int g = 0; g < G; ++g) {
+        float* p = s.scores.data() + static_cast<size_t>(g) * ctx_pad;
+        totals[g] = softmax_numerators(p, ctx, ctx);
+        round_row(p, ctx, ctx_pad, s.weights.data() + static_cast<size_t>(g) * ctx_pad);
+    }
+    // The weighted sum, 32 columns at a time: two consecutive keys' rows interleaved into pairs (the 16-bit
+    // unpacks work within 128-bit lanes, so the columns come out permuted: put right at the end).
+    s.out.assign(static_cast<size_t>(G) * D, 0.0f);
+    for (int c0 = 0; c0 < D; c0 += 32) {
+        __m512 lo[MAX_G], hi[MAX_G];
+        for (int g = 0; g < G; ++g) lo[g] = hi[g] = _mm512_setzero_ps();
+        for (int t = 0; t < ctx; t += 2) {
+            const __m512i first = _mm512_loadu_si512(v_cache + row(t) + c0);
+            const __m512i second = t + 1 < ctx ? _mm512_loadu_si512(v_cache + row(t + 1) + c0) : _mm512_setzero_si512();
+            const __m512i low = _mm512_unpacklo_epi16(first, second), high = _mm512_unpackhi_epi16(first, second);
+            for (int g = 0; g < G; ++g) {
+                const __m512i w = _mm512_set1_epi32(static_cast<int>(word(s.weights.data() + static_cast<size_t>(g) * ctx_pad + t)));
+                lo[g] = dp(lo[g], w, low);
+                hi[g] = dp(hi[g], w, high);
+            }
+        }
+        for (int g = 0; g < G; ++g) {
+            alignas(64) float l[16], h[16];
+            _mm512_store_ps(l, lo[g]);
+            _mm512_store_ps(h, hi[g]);
+            float* out = s.out.data() + static_cast<size_t>(g) * D + c0;
+            for (int k = 0; k < 16; ++k) {  // lane k of lo: column 8 (k / 4) + k % 4; of hi: 4 more
+                out[8 * (k / 4) + k % 4] = l[k];
+                out[8 * (k / 4) + 4 + k % 4] = h[k];
+            }
+        }
+    }
+    auto* dst = static_cast<uint16_t*>(a.out) + (static_cast<int64_t>(r) * a.H + kv_head * (a.H / a.KVH) + g0) * D;
+    for (int g = 0; g < G; ++g)
+        for (int d = 0; d < D; ++d) dst[g * D + d] = f32_to_bf16(s.out[static_cast<size_t>(g) * D + d] / totals[g]);
+}
+
+}  // namespace
+
+extern "C" int paged_decode_attention_bf16(const void* q, const void* k_cache, const void* v_cache,
+                                           const int64_t* block_tables, const int64_t* context_lens, void* out,
+                                           int io_dtype, int cache_dtype, int R, int H, int KVH, int D,
+                                           int block_size, int max_blocks, int64_t num_blocks, float scale,
+                                           int threads) {
+    if (io_dtype != BF16 || cache_dtype != BF16 || D % 32 || num_blocks * block_size * KVH * D / 2 >= (1ll << 31))
+        return 2;  // not this kernel's case (kernels/cpu.py chooses it only where it is)
+    for (int r = 0; r < R; ++r)
+        if (context_lens[r] < 1 || context_lens[r] > static_cast<int64_t>(max_blocks) * block_size) return 1;
+    for (int64_t i = 0; i < static_cast<int64_t>(R) * max_blocks; ++i)
+        if (block_tables[i] < 0 || block_tables[i] >= num_blocks) return 1;
+    const Args a{q, k_cache, v_cache, block_tables, context_lens, out, io_dtype, cache_dtype, R, H, KVH, D,
+                 block_size, max_blocks, scale};
+    const int G = H / KVH, passes = (G + MAX_G - 1) / MAX_G;
+#pragma omp parallel num_threads(threads)
+    {
+        DecodeScratch scratch;
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < R * KVH * passes; ++item) {
+            const int pass = item % passes, pair = item / passes, g0 = pass * MAX_G;
+            attend_bf16(a, pair / KVH, pair % KVH, g0, std::min(MAX_G, G - g0), scratch);
+        }
+    }
+    return 0;
+}
+
+// Prefill for bfloat16 (AVX512_BF16): the context's K and V laid out once per call in pairs, K as [KVH][D / 2][keys]
+// (a vector holds one (d, d + 1) pair of 16 consecutive keys), V as [KVH][keys / 2][D] (a vector holds 16 columns
+// of two consecutive keys); work items of QT query tokens x one KV head's query heads, as the float32 kernel's.
+namespace {
+
+struct PrefillBf16 {
+    const uint16_t* q; uint16_t* out;
+    int Lq, ctx, H, KVH, D;
+    float scale;
+    const uint32_t* keys;  // [KVH][D / 2][ctx_pad] (zero past ctx)
+    const uint32_t* values;  // [KVH][ctx_pad / 2][D] (zero past ctx)
+    int ctx_pad;
+};
+
+struct PrefillBf16Scratch {
+    std::vector<float> scores, acc, totals;
+    std::vector<uint16_t> weights;
+    std::vector<const uint16_t*> q_rows;
+};
+
+// Scores of four query rows against keys j0 .. j0 + 32.
+inline void scores_bf16_4x32(const uint16_t* const* q, int P, const uint32_t* keys, int ctx_pad, int j0, float scale,
+                             float* s, int ld) {
+    __m512 acc[4][2];
+    for (auto& row : acc) row[0] = row[1] = _mm512_setzero_ps();
+    for (int p = 0; p < P; ++p) {
+        const uint32_t* k = keys + static_cast<int64_t>(p) * ctx_pad + j0;
+        const __m512i k0 = _mm512_loadu_si512(k), k1 = _mm512_loadu_si512(k + 16);
+        for (int r = 0; r < 4; ++r) {
+            const __m512i qv = _mm512_set1_epi32(static_cast<int>(word(q[r] + 2 * p)));
+            acc[r][0] = dp(acc[r][0], qv, k0);
+            acc[r][1] = dp(acc[r][1], qv, k1);
+        }
+    }
+    const __m512 scale16 = _mm512_set1_ps(scale);
+    for (int r = 0; r < 4; ++r) {
+        _mm512_storeu_ps(s + r * ld + j0, _mm512_mul_ps(acc[r][0], scale16));
+        _mm512_storeu_ps(s + r * ld + j0 + 16, _mm512_mul_ps(acc[r][1], scale16));
+    }
+}
+
+// acc[r][c0 .. c0 + 16 C) = sum over the first `pairs` key pairs of weight pair x value pair, four rows.
+template <int C>
+inline void weighted_bf16_4(const uint16_t* w, int ld, const uint32_t* values, int D, int pairs, int c0, float* acc) {
+    __m512 sum[4][C];
+    for (auto& row : sum)
+        for (auto& v : row) v = _mm512_setzero_ps();
+    for (int t2 = 0; t2 < pairs; ++t2) {
+        const uint32_t* v = values + static_cast<int64_t>(t2) * D + c0;
+        __m512i vv[C];
+        for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_si512(v + 16 * c);
+        for (int r = 0; r < 4; ++r) {
+            const __m512i weight = _mm512_set1_epi32(static_cast<int>(word(w + r * ld + 2 * t2)));
+            for (int c = 0; c < C; ++c) sum[r][c] = dp(sum[r][c], weight, vv[c]);
+        }
+    }
+    for (int r = 0; r < 4; ++r)
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + r * D + c0 + 16 * c, sum[r][c]);
+}
+
+void prefill_item_bf16(const PrefillBf16& a, int kv_head, int tile, PrefillBf16Scratch& s) {
+    static const uint16_t zeros[512] = {};  // the padding rows' q (D <= 512)
+    const int G = a.H / a.KVH, D = a.D, P = D / 2;
+    const int first = tile * QT, tokens = std::min(QT, a.Lq - first);
+    const int rows = tokens * G, padded_rows = (rows + 3) / 4 * 4;
+    const int offset = a.ctx - a.Lq;
+    const int keys = offset + first + tokens;
+    const int span = (keys + 31) / 32 * 32;
+    s.q_rows.resize(padded_rows);
+    for (int r = 0; r < padded_rows; ++r)
+        s.q_rows[r] = r < rows ? a.q + (static_cast<int64_t>(first + r / G) * a.H + kv_head * G + r % G) * D : zeros;
+    s.scores.resize(static_cast<size_t>(padded_rows) * span);
+    const uint32_t* k = a.keys + static_cast<int64_t>(kv_head) * P * a.ctx_pad;
+    for (int r = 0; r < padded_rows; r += 4)
+        for (int j0 = 0; j0 < span; j0 += 32)
+            scores_bf16_4x32(s.q_rows.data() + r, P, k, a.ctx_pad, j0, a.scale,
+                             s.scores.data() + static_cast<size_t>(r) * span, span);
+    s.totals.assign(padded_rows, 1.0f);
+    s.weights.resize(static_cast<size_t>(padded_rows) * span);
+    for (int r = 0; r < padded_rows; ++r) {
+        float* p = s.scores.data() + static_cast<size_t>(r) * span;
+        uint16_t* w = s.weights.data() + static_cast<size_t>(r) * span;
+        if (r < rows) {
+            const int n = offset + first + r / G + 1;
+            s.totals[r] = softmax_numerators(p, n, n);
+            round_row(p, n, span, w);
+        } else {
+            memset(w, 0, sizeof(uint16_t) * span);
+        }
+    }
+    s.acc.resize(static_cast<size_t>(padded_rows) * D);
+    const uint32_t* v = a.values + static_cast<int64_t>(kv_head) * (a.ctx_pad / 2) * D;
+    const int pairs = (keys + 1) / 2;
+    for (int r = 0; r < padded_rows; r += 4) {
+        const uint16_t* w = s.weights.data() + static_cast<size_t>(r) * span;
+        float* acc = s.acc.data() + static_cast<size_t>(r) * D;
+        int c0 = 0;
+        for (; c0 + 64 <= D; c0 += 64) weighted_bf16_4<4>(w, span, v, D, pairs, c0, acc);
+        if (c0 < D) weighted_bf16_4<2>(w, span, v, D, pairs, c0, acc);  // D is a multiple of 32
+    }
+    for (int r = 0; r < rows; ++r) {
+        const float inverse = 1.0f / s.totals[r];
+        uint16_t* dst = a.out + (static_cast<int64_t>(first + r / G) * a.H + kv_head * G + r % G) * D;
+        for (int d = 0; d < D; ++d) dst[d] = f32_to_bf16(s.acc[static_cast<size_t>(r) * D + d] * inverse);
+    }
+}
+
+}  // namespace
+
+extern "C" int paged_prefill_attention_bf16(const void* q, const void* k_cache, const void* v_cache,
+                                            const int64_t* blocks, void* out, int io_dtype, int cache_dtype, int Lq,
+                                            int ctx, int H, int KVH, int D, int block_size, int64_t num_blocks,
+                                            float scale, int threads) {
+    if (io_dtype != BF16 || cache_dtype != BF16 || D % 32 || D > 512) return 2;  // not this kernel's case
+    if (Lq < 1 || Lq > ctx) return 1;
+    for (int b = 0; b < (ctx + block_size - 1) / block_size; ++b)
+        if (blocks[b] < 0 || blocks[b] >= num_blocks) return 1;
+    const int P = D / 2, ctx_pad = (ctx + 31) / 32 * 32;
+    std::vector<uint32_t> keys(static_cast<size_t>(KVH) * P * ctx_pad, 0u);
+    std::vector<uint32_t> values(static_cast<size_t>(KVH) * (ctx_pad / 2) * D, 0u);
+    const auto* kc = static_cast<const uint16_t*>(k_cache);
+    const auto* vc = static_cast<const uint16_t*>(v_cache);
+#pragma omp parallel for num_threads(threads) if (static_cast<int64_t>(ctx) * KVH * D >= 65536)
+    for (int t = 0; t < ctx; ++t) {
+        const int64_t row = (blocks[t / block_size] * block_size + t % block_size) * KVH;
+        for (int h = 0; h < KVH; ++h) {
+            const uint16_t* k = kc + (row + h) * D;
+            const uint16_t* v = vc + (row + h) * D;
+            uint32_t* kp = keys.data() + static_cast<size_t>(h) * P * ctx_pad + t;
+            for (int p = 0; p < P; ++p) kp[static_cast<size_t>(p) * ctx_pad] = word(k + 2 * p);
+            // key t's values are the low (t even) or high (t odd) halves of its pair's elements
+            auto* vp = reinterpret_cast<uint16_t*>(values.data() + (static_cast<size_t>(h) * (ctx_pad / 2) + t / 2) * D);
+            for (int d = 0; d < D; ++d) vp[2 * d + (t & 1)] = v[d];
+        }
+    }
+    const PrefillBf16 a{static_cast<const uint16_t*>(q), static_cast<uint16_t*>(out), Lq, ctx, H, KVH, D, scale,
+                        keys.data(), values.data(), ctx_pad};
+    const int tiles = (Lq + QT - 1) / QT, items = tiles * KVH;
+#pragma omp parallel num_threads(threads)
+    {
+        PrefillBf16Scratch scratch;
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < items; ++item) prefill_item_bf16(a, item % KVH, tiles - 1 - item / KVH, scratch);
+    }
+    return 0;
+}
+#endif  // __AVX512BF16__

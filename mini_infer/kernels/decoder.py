@@ -105,7 +105,8 @@ class DecoderStack:
         self.max_positions = cos.shape[0]
         self._keep = (layers, cos.contiguous(), sin.contiguous())  # the tensors the structs point into
         self._model = _Model(
-            _address("add_rms_norm"), _address("rope_kv_write"), _address("paged_decode_attention"),
+            _address("add_rms_norm"), _address("rope_kv_write"),
+            _address(cpu.attention_kernel("paged_decode_attention", dtype, dtype, head_dim, layers[0].k_cache.numel())),
             _address("silu_mul"), self._keep[1].data_ptr(), self._keep[2].data_ptr(), cpu.DTYPE_CODES[dtype], hidden,
             num_heads, kv_heads, head_dim, intermediate_size, block_size, fused.sum_width(), num_blocks,
             self.max_positions, eps, 1.0 / math.sqrt(head_dim))
