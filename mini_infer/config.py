@@ -280,6 +280,9 @@ QUANTIZATION_METHODS = ("int8", "int4")  # weight-only, quantised at load (mini_
 # unchunked); a smaller budget shortens that stall and batches less prompt work per weight read. Why 512, with the
 # measurements: docs/decisions/011-chunked-prefill-budget-512.md.
 DEFAULT_CHUNKED_BUDGET = 512
+# `mini-infer serve`'s decoding-step target (EngineConfig.target_itl_ms): a streaming reader sees a token at least
+# this often while new prompts arrive, where the decodes alone fit in it. Why this figure: docs/decisions/017.
+SERVE_TARGET_ITL_MS = 90.0
 # On a GPU a step's tokens cost little until they fill its matrix units, and every step costs a launch sequence:
 # 8192 (vLLM's default for serving) keeps a batch of long prompts to a few steps.
 DEFAULT_GPU_CHUNKED_BUDGET = 8192
@@ -309,6 +312,10 @@ class EngineConfig:
     quantization: str | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # A decoding step's target time in ms: with requests decoding, prompt chunks are cut to what the scheduler's
+    # model of this machine's steps predicts fits in it (engine/scheduler.py); None takes the token budget only.
+    # The server's default: SERVE_TARGET_ITL_MS.
+    target_itl_ms: float | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -341,6 +348,11 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
                              f"({self.max_model_len}) without chunked prefill: a whole prompt is prefilled in one "
                              "step")
+        if self.target_itl_ms is not None:
+            if not self.target_itl_ms > 0:
+                raise ValueError(f"target_itl_ms must be > 0, got {self.target_itl_ms}")
+            if not self.enable_chunked_prefill:
+                raise ValueError("target_itl_ms needs enable_chunked_prefill: it sizes the prompt chunks")
         self.torch_dtype = resolve_dtype(self.dtype, self.model_config)
         if self.cpu_kernels not in CPU_KERNEL_MODES:
             raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNEL_MODES)}, got {self.cpu_kernels!r}")

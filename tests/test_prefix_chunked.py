@@ -13,8 +13,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from conftest import PARITY_CONFIGS, build_hf_model, hf_greedy, save_hf_model
 from mini_infer import LLM, SamplingParams
+from mini_infer.config import SERVE_TARGET_ITL_MS
 from mini_infer.engine import kv_cache as kv_module
 from mini_infer.engine.kv_cache import KVCacheManager
+from mini_infer.engine.scheduler import MIN_PROMPT_CHUNK
 
 MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -123,6 +125,36 @@ def test_both_features_with_forced_preemption_and_aborts(shared):
     assert engine.kv_cache.prefix_hits > 0
     kv = engine.kv_cache
     assert kv.num_free_blocks == 60 and all(kv.ref_count(b) == 0 for b in range(60))
+
+
+@pytest.mark.parametrize("target_itl_ms", [1e-3, 30.0])
+def test_a_step_time_target_leaves_greedy_tokens_equal_hf(shared, target_itl_ms):
+    """The step-time target on (its real cost model, learnt from this run's steps), prompts arriving while others
+    decode, preemption and prefix hits: every request's tokens are HF's, and at a target no step can keep, a
+    decoding step takes one smallest chunk of one prompt once the model has learnt enough."""
+    path, prompts, expected = shared
+    llm = LLM(path, dtype="float64", block_size=4, num_kv_blocks=30, max_num_batched_tokens=64,
+              target_itl_ms=target_itl_ms)
+    engine = llm.engine
+    results, chunks_while_decoding = {}, []
+    for wave in range(2):
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"{wave}-{i}", prompt, GREEDY)
+            if i % 2:  # the next prompts arrive while these run
+                results.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        while engine.has_unfinished_requests():
+            plan = engine.scheduler.schedule()
+            requests = [engine.requests[rid] for rid in plan.request_ids]
+            if any(r.num_computed_tokens >= r.num_prompt_tokens and n == 1
+                   for r, n in zip(requests, plan.num_new_tokens)) and engine.scheduler.step_cost.coefficients:
+                chunks_while_decoding.append(sum(n for n in plan.num_new_tokens if n > 1))
+            update = engine.scheduler.update(plan, engine.executor.execute(plan))
+            results.update({o.request_id: o.outputs[0].token_ids for o in engine._outputs(update) if o.finished})
+    assert [results[f"{wave}-{i}"] for wave in range(2) for i in range(len(prompts))] == 2 * expected[: len(prompts)]
+    assert engine.scheduler.num_preemptions > 0 and engine.kv_cache.prefix_hits > 0
+    assert engine.kv_cache.num_free_blocks == 30
+    if target_itl_ms < 1:
+        assert chunks_while_decoding and max(chunks_while_decoding) <= MIN_PROMPT_CHUNK
 
 
 def test_forced_hash_collision_never_reuses_a_block_whose_tokens_differ(shared, monkeypatch):
@@ -246,7 +278,8 @@ TestPrefixCacheMachine = PrefixCacheMachine.TestCase
 
 
 @pytest.mark.parametrize("workload, settings", [("shared-prefix", ["caching off", "caching on"]),
-                                                 ("long-prompt", ["chunked off", "chunked on"])])
+                                                 ("long-prompt", ["chunked off", "chunked on",
+                                                                  f"on, step target {SERVE_TARGET_ITL_MS:g} ms"])])
 def test_feature_workloads_write_table_json_and_chart(tiny_model_dir, tmp_path, capsys, workload, settings):
     import json
 
@@ -263,7 +296,9 @@ def test_feature_workloads_write_table_json_and_chart(tiny_model_dir, tmp_path, 
         assert off["prefix_hits"] == 0 and on["prefix_hits"] >= 31 * 512  # all but the first find the prompt
         assert on["prefix_queries"] == off["prefix_queries"] == 32 * (512 + 32) + 4 * 64  # + the warm-up
     else:
-        off, on = report["settings"]["chunked off"], report["settings"]["chunked on"]
-        assert off["long_prompts_added"] == on["long_prompts_added"] == 4
-        assert off["num_gaps"] == on["num_gaps"] == 8 * 127  # every token of every stream after its first
+        off, on, target = (report["settings"][name] for name in settings)
+        assert off["long_prompts_added"] == on["long_prompts_added"] == target["long_prompts_added"] == 4
+        # every token of every stream after its first
+        assert off["num_gaps"] == on["num_gaps"] == target["num_gaps"] == 8 * 127
+        assert (off["target_itl_ms"], on["target_itl_ms"], target["target_itl_ms"]) == (None, None, SERVE_TARGET_ITL_MS)
     assert (tmp_path / f"{workload}.png").read_bytes().startswith(b"\x89PNG")

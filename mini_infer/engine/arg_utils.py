@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, asdict, dataclass, fields
 
-from mini_infer.config import CHECKPOINT_QUANTIZATION, QUANTIZATION_METHODS, EngineConfig
+from mini_infer.config import CHECKPOINT_QUANTIZATION, QUANTIZATION_METHODS, SERVE_TARGET_ITL_MS, EngineConfig
 from mini_infer.engine.data_parallel import create_engine
 
 
@@ -15,6 +15,10 @@ def _default(name: str):
     default = EngineConfig.__dataclass_fields__[name].default
     assert default is not MISSING, name
     return default
+
+
+def _ms_or_off(text: str) -> float | None:
+    return None if text == "off" else float(text)
 
 
 @dataclass(slots=True)
@@ -34,6 +38,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = _default("max_num_batched_tokens")
     max_model_len: int | None = _default("max_model_len")
     enable_chunked_prefill: bool = _default("enable_chunked_prefill")
+    target_itl_ms: float | None = _default("target_itl_ms")
     # the kernels
     cpu_kernels: str = _default("cpu_kernels")
     gpu_kernels: str = _default("gpu_kernels")
@@ -77,6 +82,10 @@ class EngineArgs:
                             default=_default("enable_chunked_prefill"),
                             help="split prompts into chunks that share steps with decoding (default on; the step's "
                                  "token budget is --max-num-batched-tokens, by default 512 on the CPU, 8192 on a GPU)")
+        parser.add_argument("--target-itl-ms", type=_ms_or_off, default=_default("target_itl_ms"), metavar="MS|off",
+                            help="while requests decode, cut prompt chunks so that a step is predicted to take at "
+                                 "most this many ms (a model of this machine's steps, learnt as they run; needs "
+                                 f"chunked prefill). Default: off; for serve {SERVE_TARGET_ITL_MS:g}")
         parallel = parser.add_argument_group("parallelism (README: Scale-out)")
         parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=_default("tensor_parallel_size"),
                               help="ranks that split every layer (Megatron-style)")

@@ -19,6 +19,7 @@ from mini_infer.engine.input_processor import InputProcessor, ProcessedRequest, 
 from mini_infer.engine.kv_cache import KVCacheManager
 from mini_infer.engine.request import Request, RequestStatus
 from mini_infer.engine.scheduler import Scheduler, SchedulerStats, StepUpdate
+from mini_infer.engine.step_cost import OnlineStepCost
 from mini_infer.errors import InvalidRequestError
 from mini_infer.executor.executor import create_executor
 from mini_infer.outputs import CompletionOutput, Logprob, RequestOutput
@@ -50,7 +51,7 @@ class LLMEngine(EngineClient):
         self.scheduler = Scheduler(self.kv_cache, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    enable_chunked_prefill=config.enable_chunked_prefill,
-                                   vocab_size=config.model_config.vocab_size)
+                                   vocab_size=config.model_config.vocab_size, **_step_target(config))
         self.executor = create_executor(config, num_blocks)
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, RequestGroup] = {}  # requests of n > 1, by their id (their children are in requests)
@@ -241,6 +242,13 @@ class LLMEngine(EngineClient):
         """Stop the worker ranks (a single-process engine has none)."""
         if getattr(self, "executor", None) is not None:
             self.executor.shutdown()
+
+
+def _step_target(config: EngineConfig) -> dict:
+    """The scheduler's step-time target and its cost model, learnt from the steps (none without a target)."""
+    if config.target_itl_ms is None:
+        return {}
+    return {"step_cost": OnlineStepCost(), "target_step_s": config.target_itl_ms / 1000}
 
 
 def _make_output(request: Request) -> RequestOutput | None:

@@ -6,6 +6,9 @@ chunks still being prefilled, then waiting requests in arrival order, each takin
 longest cached prompt prefix (KVCacheManager.match_prefix), so it starts with those tokens computed; it is admitted
 only while one block per running request stays free (so the next decode step need not preempt what was admitted).
 Without chunked prefill a prompt is admitted only whole. A request samples in the step that computes its last token.
+With a step-time target (EngineConfig.target_itl_ms) and requests decoding, a prompt chunk is cut to what a cost
+model of this machine's steps (engine.step_cost, learnt from the steps' measured times) predicts keeps the step
+within the target: stall-free batching as Sarathi-Serve's, with the budget still the upper bound.
 
 When a running request finds no free block, the most recently admitted running request is preempted: its blocks are
 freed and it is recomputed later (from its cached prefix, if its blocks are still cached by then). A completion of a
@@ -25,18 +28,26 @@ structured-output bitmask of the constrained requests that sample in it.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mini_infer.config import DEFAULT_CHUNKED_BUDGET, EngineConfig
 from mini_infer.engine.kv_cache import KVCacheManager
 from mini_infer.engine.request import Request, RequestStatus
+from mini_infer.engine.step_cost import StepCost, StepShape
 from mini_infer.engine.stop import check_stop
 from mini_infer.engine.structured_output import allocate_bitmask
 from mini_infer.runner.plan import GrammarBitmask, NewRequest, StepPlan
 from mini_infer.runner.sampler import SamplerOutput
 
 logger = logging.getLogger(__name__)
+
+
+# The fewest prompt tokens a decoding step takes while a prompt waits, however long the cost model predicts the step
+# to run: one KV block of the default size; prompts advance even when the decodes alone fill the step-time target.
+MIN_PROMPT_CHUNK = 16
 
 
 def _engine_default(name: str):
@@ -58,8 +69,18 @@ class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, *, max_num_seqs: int = _engine_default("max_num_seqs"),
                  max_num_batched_tokens: int = DEFAULT_CHUNKED_BUDGET,
                  enable_chunked_prefill: bool = _engine_default("enable_chunked_prefill"),
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, step_cost: StepCost | None = None,
+                 target_step_s: float | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+        if (step_cost is None) != (target_step_s is None):
+            raise ValueError("a step-time target needs a step cost model, and a model a target")
+        if step_cost is not None and not enable_chunked_prefill:
+            raise ValueError("a step-time target needs chunked prefill (it sizes the prompt chunks)")
         self.kv_cache = kv_cache
+        self.step_cost = step_cost  # with target_step_s: prompt chunks sized to keep decoding steps within it
+        self.target_step_s = target_step_s
+        self._clock = clock
+        self._timed: StepShape | None = None  # the last step's shape, while its time is being measured
+        self._timed_at = 0.0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -86,7 +107,12 @@ class Scheduler:
     # ---- the step ----
 
     def schedule(self) -> StepPlan:
+        now = self._clock()
+        if self._timed is not None:  # the last step ran from its schedule() to this one
+            self.step_cost.observe(self._timed, now - self._timed_at)
+            self._timed = None
         plan = StepPlan()
+        shape = StepShape()
         budget = self.max_num_batched_tokens
         preempted_before = len(self._preempted)
         # Decode tokens ahead of prompt chunks (a stable sort keeps admission order within each).
@@ -95,18 +121,27 @@ class Scheduler:
             if budget <= 0 or request.status is not RequestStatus.RUNNING:
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new > 1:
+                num_new = self._chunk_limit(shape, request.num_computed_tokens, num_new)
+                if not num_new:
+                    continue
             if self._grow_or_preempt(request, num_new, plan):
                 self._plan_add(plan, request, num_new)
+                shape.add(num_new, request.num_computed_tokens, request.num_prompt_tokens)
                 budget -= num_new
         budget = self.max_num_batched_tokens - plan.num_tokens  # a preempted group's planned tokens come back
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and len(self._preempted) == preempted_before):
-            num_new = self._admit(self.waiting[0], budget)
+            num_new = self._admit(self.waiting[0], budget, shape)
             if not num_new:
                 break
-            self._plan_add(plan, self.running[-1], num_new)
+            request = self.running[-1]
+            self._plan_add(plan, request, num_new)
+            shape.add(num_new, request.num_computed_tokens, request.num_prompt_tokens)
             budget -= num_new
         self._order(plan)
+        if self.step_cost is not None and plan.request_ids:
+            self._timed, self._timed_at = self._shape(plan), now
         if self._num_constrained:
             plan.grammar = self._grammar_bitmask(plan)
         plan.finished_ids, self._left = self._left, []
@@ -147,18 +182,56 @@ class Scheduler:
         self.kv_cache.free(request.request_id)
         self._sent.pop(request.request_id, None)
         self._left.append(request.request_id)
+        if not self.has_unfinished():
+            self._timed = None  # the engine may idle before the next step: no step time to learn from
+
+    # ---- the step-time target ----
+
+    def _chunk_limit(self, shape: StepShape, num_computed: int, num_new: int) -> int:
+        """How many of a prompt chunk's `num_new` tokens (after `num_computed`) the step takes: all of them unless
+        requests decode in it and the cost model predicts the step would then run past the target (or cannot predict
+        yet); then the most that keeps it within, but at least MIN_PROMPT_CHUNK for the step's first chunk (so
+        prompts always advance), and none for a later chunk that does not fit."""
+        if self.step_cost is None or not shape.decodes:
+            return num_new
+        predict, target = self.step_cost.predict, self.target_step_s
+        seconds = predict(shape.with_chunk(num_new, num_computed))
+        if seconds is None:  # a model that has seen too few steps: the smallest chunk, which teaches it the most
+            return 0 if shape.prompt_tokens else min(MIN_PROMPT_CHUNK, num_new)
+        if seconds <= target:
+            return num_new
+        fits, over = 0, num_new  # the predicted time grows with the chunk: bisect for the largest that fits
+        while over - fits > 1:
+            mid = (fits + over) // 2
+            if predict(shape.with_chunk(mid, num_computed)) <= target:
+                fits = mid
+            else:
+                over = mid
+        return fits if shape.prompt_tokens else max(fits, min(MIN_PROMPT_CHUNK, num_new))
+
+    def _shape(self, plan: StepPlan) -> StepShape:
+        """The shape of the step as planned (after any preemption took requests back out)."""
+        requests = {r.request_id: r for r in self.running}
+        shape = StepShape()
+        for rid, num_new in zip(plan.request_ids, plan.num_new_tokens):
+            request = requests[rid]
+            shape.add(num_new, request.num_computed_tokens, request.num_prompt_tokens)
+        return shape
 
     # ---- admission and preemption ----
 
-    def _admit(self, request: Request, budget: int) -> int:
+    def _admit(self, request: Request, budget: int, shape: StepShape) -> int:
         """Admit the first waiting request with its cached prefix and up to `budget` more tokens (all of them
-        without chunked prefill); the tokens scheduled, 0 when it cannot be admitted now. It leaves one block per
-        running request free, and where it computes its whole prompt, the one its first decode needs too."""
+        without chunked prefill; fewer where the step-time target says so); the tokens scheduled, 0 when it cannot
+        be admitted now. It leaves one block per running request free, and where it computes its whole prompt, the
+        one its first decode needs too."""
         # A request that wants prompt logprobs computes its whole prompt (cached positions would have none), as vLLM.
         hits = [] if request.params.prompt_logprobs is not None else self.kv_cache.match_prefix(request.all_token_ids)
         cached = len(hits) * self.kv_cache.block_size
         remaining = request.num_tokens - cached
         num_new = min(remaining, budget)
+        if num_new > 1:
+            num_new = self._chunk_limit(shape, cached, num_new)
         if num_new < 1 or (not self.enable_chunked_prefill and num_new < remaining):
             return 0
         blocks = self.kv_cache.blocks_for

@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mini_infer.config import SERVE_TARGET_ITL_MS
 from mini_infer.engine.arg_utils import EngineArgs
 from mini_infer.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineShutdownError
 from mini_infer.engine.input_processor import check_token_ids
@@ -427,6 +428,7 @@ def add_serve_args(parser):
                              "(new ones get a 503 meanwhile; a second signal aborts them at once)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     EngineArgs.add_cli_args(parser)
+    parser.set_defaults(target_itl_ms=SERVE_TARGET_ITL_MS)  # a server streams: its steps keep to a target
     return parser
 
 
