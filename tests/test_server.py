@@ -481,6 +481,11 @@ def test_bench_serve_reports_every_level(served, tmp_path, rate):
             stats = level[metric]
             assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"]
         assert level["ttft_ms"]["p50"] <= level["e2e_ms"]["p50"]
+        # the chart's points: a gap per streamed chunk after each request's first, in time order within the level
+        times = [t for t, _ in level["itl_over_time"]]
+        assert 0 < len(times) <= sum(n - 1 for _, n in requests) and times == sorted(times)
+        assert 0 < times[0] and times[-1] <= level["duration_s"] and all(gap > 0 for _, gap in level["itl_over_time"])
+    assert (tmp_path / "serve.png").read_bytes().startswith(b"\x89PNG")
     table = (tmp_path / "table.txt").read_text()
     assert "TTFT mean/p50/p90/p99 ms" in table and len(table.splitlines()) == 6
 

@@ -1,5 +1,5 @@
-"""The one chart helper: a PNG of one or more panels, each grouped bars or log-log lines (matplotlib, Agg: no
-display needed)."""
+"""The chart helpers: a PNG of one or more panels, each grouped bars or log-log lines, or of points over time
+(matplotlib, Agg: no display needed)."""
 
 from __future__ import annotations
 
@@ -64,6 +64,29 @@ def chart(path: Path, title: str, panels: list[Panel]) -> None:
         ax.set_ylabel(panel.ylabel)
         if len(panel.series) > 1:
             ax.legend()
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def scatter(path: Path, title: str, series: list[tuple[str, list[float], list[float]]], xlabel: str,
+            ylabel: str) -> None:
+    """Points (x, y) of each labelled series on one linear panel, y from 0."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for label, xs, ys in series:
+        ax.scatter(xs, ys, s=4, alpha=0.6, label=label)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    if len(series) > 1:
+        ax.legend()
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

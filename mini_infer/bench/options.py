@@ -11,11 +11,12 @@ from pathlib import Path
 
 from mini_infer.bench.peers import GGUF_OUTTYPES, PEER_NAMES
 from mini_infer.config import QUANTIZATION_METHODS
-from mini_infer.bench.systems import CUDA_DEFAULT_SYSTEMS, CUDA_SYSTEMS, DEFAULT_SYSTEMS, GGUF_TYPE, QUANTIZED_SYSTEMS
+from mini_infer.bench.systems import (CUDA_DEFAULT_SYSTEMS, CUDA_SYSTEMS, DEFAULT_SYSTEMS, GGUF_TYPE, QUANTIZED_SYSTEMS,
+                                      SERVING_SYSTEMS)
 from mini_infer.bench.systems import SYSTEM_NAMES as SYSTEMS
 
 WORKLOADS = ("fixed", "prefill", "random", "nano-vllm", "parallel", "shared-prefix", "long-prompt", "kl",
-             "structured-outputs", "parallel-sampling", "matmul")
+             "structured-outputs", "parallel-sampling", "matmul", "serving")
 CUDA_WORKLOADS = ("fixed", "prefill", "random", "nano-vllm")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("bfloat16", "float32")
@@ -35,7 +36,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                              "structured-outputs: a constraint's cost per decode step at each batch size; "
                              "parallel-sampling: one request of n = 4 against 4 separate ones; matmul: one decode "
                              "step's matmuls on each native path (with --quantization, quantised against bfloat16; "
-                             "--batch-sizes are its row counts, --reps its rounds)")
+                             "--batch-sizes are its row counts, --reps its rounds); serving: mini-infer's and vLLM's "
+                             "CPU servers under vLLM's load generator, short and long prompts (README: Serving)")
     parser.add_argument("--model", default=None, help="local HF-format model directory (default: the random-weight "
                                                       "qwen2.5-0.5b preset)")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
@@ -102,7 +104,7 @@ class BenchOptions:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> BenchOptions:
         cuda = args.device == "cuda"
-        defaults = CUDA_DEFAULT_SYSTEMS if cuda else DEFAULT_SYSTEMS
+        defaults = CUDA_DEFAULT_SYSTEMS if cuda else SERVING_SYSTEMS if args.workload == "serving" else DEFAULT_SYSTEMS
         named = args.systems if args.systems is not None else ",".join(defaults)
         systems = [s.strip() for s in named.split(",") if s.strip()]
         if not systems or any(s not in SYSTEMS for s in systems) or len(set(systems)) != len(systems):

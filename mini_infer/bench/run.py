@@ -14,6 +14,7 @@ from mini_infer.bench.options import BenchOptions
 from mini_infer.bench.prompts import NANO_VLLM_HIGH
 from mini_infer.bench.parallel import PARALLEL
 from mini_infer.bench.report import Workload, describe_machine, format_table, machine_info, versions, write_json
+from mini_infer.bench.serving import SERVING
 from mini_infer.bench.throughput import FIXED, NANO_VLLM, PREFILL, RANDOM
 from mini_infer.config import ModelConfig
 from mini_infer.kernels.autotune import describe_choices
@@ -21,7 +22,7 @@ from mini_infer.kernels.autotune import describe_choices
 WORKLOADS = {  # one per options.WORKLOADS name
     "fixed": FIXED, "prefill": PREFILL, "random": RANDOM, "nano-vllm": NANO_VLLM, "parallel": PARALLEL,
     "shared-prefix": SHARED_PREFIX, "long-prompt": LONG_PROMPT, "kl": KL, "structured-outputs": STRUCTURED_OUTPUTS,
-    "parallel-sampling": PARALLEL_SAMPLING, "matmul": MATMUL}
+    "parallel-sampling": PARALLEL_SAMPLING, "matmul": MATMUL, "serving": SERVING}
 
 
 def _log(message: str) -> None:

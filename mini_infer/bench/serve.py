@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mini_infer.bench.charts import scatter
 from mini_infer.bench.options import at_least_one, int_list
 from mini_infer.bench.report import Column, format_table, percentile, write_json
 
@@ -84,6 +85,7 @@ class RequestRecord:
     ttft: float | None = None  # seconds from send to the first text
     e2e: float | None = None
     itls: list[float] = field(default_factory=list)  # gaps between consecutive text chunks
+    itl_ends: list[float] = field(default_factory=list)  # when each gap ended (time.perf_counter())
 
 
 def sample_requests(options: ServeOptions, level: int = 0) -> list[tuple[list[int], int]]:
@@ -126,6 +128,7 @@ async def _one_request(client, url: str, headers: dict, model: str, prompt: list
                         record.ttft = now - start
                     else:
                         record.itls.append(now - last)
+                        record.itl_ends.append(now)
                     last = now
                 if chunk.get("usage"):
                     record.output_tokens = chunk["usage"]["completion_tokens"]
@@ -167,10 +170,10 @@ async def run_level(options: ServeOptions, model: str, requests, concurrency: in
                 await asyncio.sleep(rng.expovariate(options.request_rate))
         records = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    return level_metrics(records, duration, concurrency)
+    return level_metrics(records, duration, concurrency, start)
 
 
-def level_metrics(records: list[RequestRecord], duration: float, concurrency: int) -> dict:
+def level_metrics(records: list[RequestRecord], duration: float, concurrency: int, start: float) -> dict:
     ok = [r for r in records if r.ok]
     output_tokens = sum(r.output_tokens for r in ok)
     prompt_tokens = sum(r.prompt_tokens for r in ok)
@@ -183,6 +186,8 @@ def level_metrics(records: list[RequestRecord], duration: float, concurrency: in
         "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
         "ttft_ms": _stats([r.ttft for r in ok]), "tpot_ms": _stats(tpots),
         "itl_ms": _stats([gap for r in ok for gap in r.itls]), "e2e_ms": _stats([r.e2e for r in ok]),
+        # every inter-token gap of the level: [seconds from the level's start to the gap's end, gap ms], in time order
+        "itl_over_time": sorted([end - start, 1000 * gap] for r in ok for end, gap in zip(r.itl_ends, r.itls)),
     }
 
 
@@ -244,5 +249,9 @@ def run_bench_serve(args: argparse.Namespace, log=None) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         write_json(out / "serve.json", {**report, "config": {**config, "request_rate": str(options.request_rate)}})
         (out / "table.txt").write_text(table + "\n")
-        log(f"wrote {out / 'serve.json'} and {out / 'table.txt'}")
+        scatter(out / "serve.png", f"inter-token gaps over the run: {options.base_url}, model {model}",
+                [(f"{level['max_concurrency']} clients", *zip(*level["itl_over_time"]))
+                 for level in levels if level["itl_over_time"]],
+                "seconds since the level started", "gap between tokens of a stream (ms)")
+        log(f"wrote {out / 'serve.json'}, {out / 'table.txt'} and {out / 'serve.png'}")
     return report

