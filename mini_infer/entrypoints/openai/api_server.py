@@ -434,6 +434,7 @@ def add_serve_args(parser):
 
 def run_server(args) -> int:
     """Load the engine, then serve until interrupted."""
+    import gc
     import logging
     import os
     from pathlib import Path
@@ -452,6 +453,10 @@ def run_server(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     engine_args.model = model_dir
     engine = AsyncLLMEngine(engine_args.create_engine(), EngineMetrics(name))
+    # What the model and engine allocated lives as long as the server: out of the collector's sight, so that no full
+    # collection walks it in the middle of a step (vLLM freezes its startup objects too).
+    gc.collect()
+    gc.freeze()
     app = build_app(engine, name, api_key=api_key, max_body_bytes=args.max_body_bytes)
     logging.getLogger("mini_infer").info("serving %s (%s) on http://%s:%d/v1", name, model_dir, args.host, args.port)
     try:
