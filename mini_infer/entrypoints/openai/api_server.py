@@ -267,8 +267,8 @@ class _Server:
 
 
 async def _events(outputs, first: RequestOutput, chunk: dict, include_usage: bool, choices: Choices):
-    """A request's SSE events: a chunk per output that carries text or logprobs (and the last one), then the
-    usage chunk if asked for, then [DONE]."""
+    """A request's SSE events: a chunk per output that carries tokens, text or logprobs (and the last one), then
+    the usage chunk if asked for, then [DONE]."""
     num_tokens = 0
     usage = {"usage": None} if include_usage else {}
     opened: set[int] = set()
@@ -281,7 +281,9 @@ async def _events(outputs, first: RequestOutput, chunk: dict, include_usage: boo
             if opening is not None:
                 yield _sse({**chunk, "choices": [opening], **usage})
             num_tokens += len(completion.token_ids)
-            if not (completion.text or completion.logprobs or completion.finish_reason):
+            # A new token whose text the detokenizer still holds (part of a UTF-8 character) streams as an empty
+            # chunk, as vLLM's do: a client sees every step's token arrive.
+            if not (completion.text or completion.token_ids or completion.logprobs or completion.finish_reason):
                 continue
             choice = choices.choice(index, completion.text, completion.logprobs, completion.finish_reason,
                                     completion.stop_reason, streaming=True)

@@ -72,7 +72,7 @@ class ChatChoices(Choices):
     def choice(self, index, text, logprobs, finish_reason, stop_reason, streaming):
         shaped = _chat_logprobs(logprobs, self.top_logprobs) if logprobs else None
         if self.tool_choice is None:
-            body = ({"delta": {"content": text} if text else {}} if streaming
+            body = ({"delta": {"content": text} if text or finish_reason is None else {}} if streaming
                     else {"message": {"role": "assistant", "content": text}})
             return {"index": index, **body, "logprobs": shaped, "finish_reason": finish_reason,
                     "stop_reason": stop_reason}
