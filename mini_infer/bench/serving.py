@@ -75,7 +75,8 @@ def run_serving(options: BenchOptions, model_dir: str, log: Callable[[str], None
                                   "--random-output-len", str(output_len), "--num-prompts", str(num_prompts),
                                   "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(options.seed),
                                   "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", PERCENTILES,
-                                  "--save-result", "--save-detailed", "--result-dir", scratch, "--result-filename", name]
+                                  "--save-result", "--save-detailed", "--result-dir", scratch,
+                                  "--result-filename", name]
                         done = subprocess.run(client, env={**os.environ, **vllm_env}, capture_output=True, text=True)
                         if done.returncode:
                             raise RuntimeError(f"vllm bench serve against {system} failed: {done.stderr[-2000:]}")

@@ -37,8 +37,8 @@ class EngineArgs:
     max_num_seqs: int = _default("max_num_seqs")
     max_num_batched_tokens: int | None = _default("max_num_batched_tokens")
     max_model_len: int | None = _default("max_model_len")
-    enable_chunked_prefill: bool = _default("enable_chunked_prefill")
     target_itl_ms: float | None = _default("target_itl_ms")
+    enable_chunked_prefill: bool = _default("enable_chunked_prefill")
     # the kernels
     cpu_kernels: str = _default("cpu_kernels")
     gpu_kernels: str = _default("gpu_kernels")

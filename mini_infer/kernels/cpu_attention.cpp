@@ -109,6 +109,25 @@ inline float softmax_numerators(float* p, int n, int to) {
     return total;
 }
 
+// Whether every context length is in [1, max_blocks * block_size] and every block id in [0, num_blocks): what the
+// decode kernels check on the way in, before they read the caches.
+inline bool decode_inputs_fit(const int64_t* block_tables, const int64_t* context_lens, int R, int block_size,
+                              int max_blocks, int64_t num_blocks) {
+    for (int r = 0; r < R; ++r)
+        if (context_lens[r] < 1 || context_lens[r] > static_cast<int64_t>(max_blocks) * block_size) return false;
+    for (int64_t i = 0; i < static_cast<int64_t>(R) * max_blocks; ++i)
+        if (block_tables[i] < 0 || block_tables[i] >= num_blocks) return false;
+    return true;
+}
+
+// Whether Lq is in [1, ctx] and the block ids the context needs are in [0, num_blocks): the prefill kernels' check.
+inline bool prefill_inputs_fit(const int64_t* blocks, int Lq, int ctx, int block_size, int64_t num_blocks) {
+    if (Lq < 1 || Lq > ctx) return false;
+    for (int b = 0; b < (ctx + block_size - 1) / block_size; ++b)
+        if (blocks[b] < 0 || blocks[b] >= num_blocks) return false;
+    return true;
+}
+
 struct Args {
     const void* q; const void* k_cache; const void* v_cache; const int64_t* block_tables;
     const int64_t* context_lens; void* out;
@@ -197,10 +216,7 @@ extern "C" int paged_decode_attention(const void* q, const void* k_cache, const 
                                       const int64_t* block_tables, const int64_t* context_lens, void* out,
                                       int io_dtype, int cache_dtype, int R, int H, int KVH, int D, int block_size,
                                       int max_blocks, int64_t num_blocks, float scale, int threads) {
-    for (int r = 0; r < R; ++r)
-        if (context_lens[r] < 1 || context_lens[r] > static_cast<int64_t>(max_blocks) * block_size) return 1;
-    for (int64_t i = 0; i < static_cast<int64_t>(R) * max_blocks; ++i)
-        if (block_tables[i] < 0 || block_tables[i] >= num_blocks) return 1;
+    if (!decode_inputs_fit(block_tables, context_lens, R, block_size, max_blocks, num_blocks)) return 1;
     const Args a{q, k_cache, v_cache, block_tables, context_lens, out, io_dtype, cache_dtype, R, H, KVH, D,
                  block_size, max_blocks, scale};
 #pragma omp parallel num_threads(threads)
@@ -337,9 +353,7 @@ void prefill_item(const Prefill& a, int kv_head, int tile, PrefillScratch& s) {
 extern "C" int paged_prefill_attention(const void* q, const void* k_cache, const void* v_cache, const int64_t* blocks,
                                        void* out, int io_dtype, int cache_dtype, int Lq, int ctx, int H, int KVH,
                                        int D, int block_size, int64_t num_blocks, float scale, int threads) {
-    if (Lq < 1 || Lq > ctx) return 1;
-    for (int b = 0; b < (ctx + block_size - 1) / block_size; ++b)
-        if (blocks[b] < 0 || blocks[b] >= num_blocks) return 1;
+    if (!prefill_inputs_fit(blocks, Lq, ctx, block_size, num_blocks)) return 1;
     const int ctx_pad = (ctx + KEYS - 1) / KEYS * KEYS;
     std::vector<float> keys_t(static_cast<size_t>(KVH) * D * ctx_pad, 0.0f);
     std::vector<float> values(static_cast<size_t>(KVH) * ctx * D);
@@ -494,10 +508,7 @@ extern "C" int paged_decode_attention_bf16(const void* q, const void* k_cache, c
                                            int threads) {
     if (io_dtype != BF16 || cache_dtype != BF16 || D % 32 || num_blocks * block_size * KVH * D / 2 >= (1ll << 31))
         return 2;  // not this kernel's case (kernels/cpu.py chooses it only where it is)
-    for (int r = 0; r < R; ++r)
-        if (context_lens[r] < 1 || context_lens[r] > static_cast<int64_t>(max_blocks) * block_size) return 1;
-    for (int64_t i = 0; i < static_cast<int64_t>(R) * max_blocks; ++i)
-        if (block_tables[i] < 0 || block_tables[i] >= num_blocks) return 1;
+    if (!decode_inputs_fit(block_tables, context_lens, R, block_size, max_blocks, num_blocks)) return 1;
     const Args a{q, k_cache, v_cache, block_tables, context_lens, out, io_dtype, cache_dtype, R, H, KVH, D,
                  block_size, max_blocks, scale};
     const int G = H / KVH, passes = (G + MAX_G - 1) / MAX_G;
@@ -536,41 +547,31 @@ struct PrefillBf16Scratch {
 // Scores of four query rows against keys j0 .. j0 + 32.
 inline void scores_bf16_4x32(const uint16_t* const* q, int P, const uint32_t* keys, int ctx_pad, int j0, float scale,
                              float* s, int ld) {
-    __m512 acc[4][2];
-    for (auto& row : acc) row[0] = row[1] = _mm512_setzero_ps();
-    for (int p = 0; p < P; ++p) {
-        const uint32_t* k = keys + static_cast<int64_t>(p) * ctx_pad + j0;
-        const __m512i k0 = _mm512_loadu_si512(k), k1 = _mm512_loadu_si512(k + 16);
-        for (int r = 0; r < 4; ++r) {
-            const __m512i qv = _mm512_set1_epi32(static_cast<int>(word(q[r] + 2 * p)));
-            acc[r][0] = dp(acc[r][0], qv, k0);
-            acc[r][1] = dp(acc[r][1], qv, k1);
-        }
+    __m512 acc[8];  // row r, keys 16 c .. 16 c + 16: acc[2 r + c]
+    for (auto& a : acc) a = _mm512_setzero_ps();
+    const uint32_t* k = keys + j0;
+    for (int p = 0; p < P; ++p, k += ctx_pad) {
+        const __m512i halves[2] = {_mm512_loadu_si512(k), _mm512_loadu_si512(k + 16)};
+        for (int i = 0; i < 8; ++i)
+            acc[i] = dp(acc[i], _mm512_set1_epi32(static_cast<int>(word(q[i / 2] + 2 * p))), halves[i % 2]);
     }
-    const __m512 scale16 = _mm512_set1_ps(scale);
-    for (int r = 0; r < 4; ++r) {
-        _mm512_storeu_ps(s + r * ld + j0, _mm512_mul_ps(acc[r][0], scale16));
-        _mm512_storeu_ps(s + r * ld + j0 + 16, _mm512_mul_ps(acc[r][1], scale16));
-    }
+    for (int i = 0; i < 8; ++i)
+        _mm512_storeu_ps(s + (i / 2) * ld + j0 + 16 * (i % 2), _mm512_mul_ps(acc[i], _mm512_set1_ps(scale)));
 }
 
 // acc[r][c0 .. c0 + 16 C) = sum over the first `pairs` key pairs of weight pair x value pair, four rows.
 template <int C>
 inline void weighted_bf16_4(const uint16_t* w, int ld, const uint32_t* values, int D, int pairs, int c0, float* acc) {
-    __m512 sum[4][C];
-    for (auto& row : sum)
-        for (auto& v : row) v = _mm512_setzero_ps();
-    for (int t2 = 0; t2 < pairs; ++t2) {
-        const uint32_t* v = values + static_cast<int64_t>(t2) * D + c0;
-        __m512i vv[C];
-        for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_si512(v + 16 * c);
-        for (int r = 0; r < 4; ++r) {
-            const __m512i weight = _mm512_set1_epi32(static_cast<int>(word(w + r * ld + 2 * t2)));
-            for (int c = 0; c < C; ++c) sum[r][c] = dp(sum[r][c], weight, vv[c]);
-        }
+    __m512 sum[4 * C];  // row r, columns c0 + 16 c ..: sum[C r + c]
+    for (auto& a : sum) a = _mm512_setzero_ps();
+    const uint32_t* v = values + c0;
+    for (int t2 = 0; t2 < pairs; ++t2, v += D) {
+        __m512i columns[C];
+        for (int c = 0; c < C; ++c) columns[c] = _mm512_loadu_si512(v + 16 * c);
+        for (int i = 0; i < 4 * C; ++i)
+            sum[i] = dp(sum[i], _mm512_set1_epi32(static_cast<int>(word(w + (i / C) * ld + 2 * t2))), columns[i % C]);
     }
-    for (int r = 0; r < 4; ++r)
-        for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + r * D + c0 + 16 * c, sum[r][c]);
+    for (int i = 0; i < 4 * C; ++i) _mm512_storeu_ps(acc + (i / C) * D + c0 + 16 * (i % C), sum[i]);
 }
 
 void prefill_item_bf16(const PrefillBf16& a, int kv_head, int tile, PrefillBf16Scratch& s) {
@@ -627,9 +628,7 @@ extern "C" int paged_prefill_attention_bf16(const void* q, const void* k_cache, 
                                             int ctx, int H, int KVH, int D, int block_size, int64_t num_blocks,
                                             float scale, int threads) {
     if (io_dtype != BF16 || cache_dtype != BF16 || D % 32 || D > 512) return 2;  // not this kernel's case
-    if (Lq < 1 || Lq > ctx) return 1;
-    for (int b = 0; b < (ctx + block_size - 1) / block_size; ++b)
-        if (blocks[b] < 0 || blocks[b] >= num_blocks) return 1;
+    if (!prefill_inputs_fit(blocks, Lq, ctx, block_size, num_blocks)) return 1;
     const int P = D / 2, ctx_pad = (ctx + 31) / 32 * 32;
     std::vector<uint32_t> keys(static_cast<size_t>(KVH) * P * ctx_pad, 0u);
     std::vector<uint32_t> values(static_cast<size_t>(KVH) * (ctx_pad / 2) * D, 0u);
