@@ -280,6 +280,10 @@ QUANTIZATION_METHODS = ("int8", "int4")  # weight-only, quantised at load (mini_
 # unchunked); a smaller budget shortens that stall and batches less prompt work per weight read. Why 512, with the
 # measurements: docs/decisions/011-chunked-prefill-budget-512.md.
 DEFAULT_CHUNKED_BUDGET = 512
+# JSON constraints (json schemas, json_object, the tool-call grammars) allow at most this many characters in one run
+# of whitespace between their tokens, as llama.cpp's JSON grammars allow a newline and ~20 indentation characters:
+# unbounded, an unsure model can spend every token on whitespace and never close the object.
+DEFAULT_MAX_JSON_WHITESPACE = 20
 # `mini-infer serve`'s decoding-step target (EngineConfig.target_itl_ms): a streaming reader sees a token at least
 # this often while new prompts arrive, where the decodes alone fit in it. Why this figure: docs/decisions/017.
 SERVE_TARGET_ITL_MS = 90.0
@@ -316,6 +320,8 @@ class EngineConfig:
     # model of this machine's steps predicts fits in it (engine/scheduler.py); None takes the token budget only.
     # The server's default: SERVE_TARGET_ITL_MS.
     target_itl_ms: float | None = None
+    # Characters in one run of whitespace in a JSON constraint (DEFAULT_MAX_JSON_WHITESPACE); None: unbounded.
+    structured_outputs_max_whitespace: int | None = DEFAULT_MAX_JSON_WHITESPACE
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -348,6 +354,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
                              f"({self.max_model_len}) without chunked prefill: a whole prompt is prefilled in one "
                              "step")
+        if self.structured_outputs_max_whitespace is not None:
+            _positive("structured_outputs_max_whitespace", self.structured_outputs_max_whitespace)
         if self.target_itl_ms is not None:
             if not self.target_itl_ms > 0:
                 raise ValueError(f"target_itl_ms must be > 0, got {self.target_itl_ms}")

@@ -358,3 +358,52 @@ def test_tensor_parallel_gives_the_single_process_outputs(tiny_model_dir, llm):
     assert [o.outputs[0].token_ids for o in outputs] == expected
     for output, (_, check) in zip(outputs, constraints):
         assert check(output.outputs[0].text)
+
+
+# ---- JSON whitespace, bounded by default ----
+
+def test_a_json_constraint_bounds_each_run_of_whitespace_and_keeps_control_characters_out_of_strings(llm):
+    from mini_infer.config import DEFAULT_MAX_JSON_WHITESPACE
+    from mini_infer.engine.structured_output import GrammarCompiler
+
+    grammars = llm.engine.processor.grammars
+    assert grammars.max_whitespace == DEFAULT_MAX_JSON_WHITESPACE == 20
+    for structured in (StructuredOutputsParams(json=PERSON), StructuredOutputsParams(json_object=True)):
+        matcher = xgr.GrammarMatcher(grammars.compile(structured))
+        assert matcher.accept_string("{" + " \n\t\r" * 5)  # 20 characters of whitespace
+        assert not matcher.accept_string(" ")  # the 21st
+        assert matcher.accept_string('"name"')  # the object goes on
+    person = xgr.GrammarMatcher(grammars.compile(StructuredOutputsParams(json=PERSON)))
+    assert person.accept_string('{"name":"a') and not person.accept_string("\t")  # JSON strings hold no raw tab
+    assert person.accept_string('b"') and person.accept_string(',"age":7,"pet":"cat"}')
+    unbounded = GrammarCompiler(llm.get_tokenizer(), grammars.vocab_size, llm.engine.processor.eos_token_ids,
+                                max_whitespace=None)
+    assert xgr.GrammarMatcher(unbounded.compile(StructuredOutputsParams(json=PERSON))).accept_string("{" + " " * 200)
+    tight = xgr.GrammarMatcher(grammars.compile(StructuredOutputsParams(json=PERSON, disable_any_whitespace=True)))
+    assert not tight.accept_string("{ ")  # disable_any_whitespace: none at all
+
+
+def test_schema_answers_sampled_at_temperature_one_close_within_80_tokens(llm):
+    """Any whitespace allowed (the default) and a random model sampled at temperature 1: every answer of a batch
+    closes as valid JSON, where unbounded whitespace ran every one to max_tokens."""
+    params = [SamplingParams(temperature=1.0, max_tokens=80, seed=seed,
+                             structured_outputs=StructuredOutputsParams(json=PERSON)) for seed in range(8)]
+    outputs = llm.generate([f"person {seed} as JSON:" for seed in range(8)], params, use_tqdm=False)
+    for output in outputs:
+        text = output.outputs[0].text
+        assert output.outputs[0].finish_reason == "stop" and _valid(json.loads(text), PERSON), text
+
+
+def test_the_whitespace_bound_is_an_engine_option(tiny_model_dir):
+    import argparse
+
+    from mini_infer.config import EngineConfig
+    from mini_infer.engine.arg_utils import EngineArgs
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert EngineArgs.from_cli_args(parser.parse_args([])).structured_outputs_max_whitespace == 20
+    for flag, value in (("off", None), ("4", 4)):
+        args = parser.parse_args(["--structured-outputs-max-whitespace", flag])
+        assert EngineArgs.from_cli_args(args).structured_outputs_max_whitespace == value
+    with pytest.raises(ValueError, match="structured_outputs_max_whitespace"):
+        EngineConfig(model=str(tiny_model_dir), structured_outputs_max_whitespace=0)

@@ -162,6 +162,18 @@ def test_required_calls_a_tool_with_valid_arguments(client, stream):
     assert all(_valid_call(name, arguments) for name, arguments in calls), calls
 
 
+def test_required_yields_a_tool_call_at_temperature_one_with_any_whitespace(client):
+    """The grammar's whitespace is bounded by default: sampled at temperature 1 within 80 tokens, every answer of
+    a batch is a tool call (unbounded, a random model spent its tokens on whitespace inside the array)."""
+    for seed in range(4):
+        choice = client.chat.completions.create(model="tiny-test", messages=ASK, tools=TOOLS, tool_choice="required",
+                                                max_tokens=80, temperature=1.0, seed=seed,
+                                                parallel_tool_calls=False).choices[0]  # (else: calls till the end)
+        assert choice.finish_reason == "tool_calls", choice.message
+        [call] = choice.message.tool_calls
+        assert _valid_call(call.function.name, _args(call)), call
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_named_function_is_called(client, stream):
     kwargs = dict(model="tiny-test", messages=ASK, tools=TOOLS, max_tokens=60, temperature=0,

@@ -21,6 +21,10 @@ def _ms_or_off(text: str) -> float | None:
     return None if text == "off" else float(text)
 
 
+def _int_or_off(text: str) -> int | None:
+    return None if text == "off" else int(text)
+
+
 @dataclass(slots=True)
 class EngineArgs:
     # the model and where it runs
@@ -47,6 +51,8 @@ class EngineArgs:
     tensor_parallel_size: int = _default("tensor_parallel_size")
     pipeline_parallel_size: int = _default("pipeline_parallel_size")
     data_parallel_size: int = _default("data_parallel_size")
+    # structured outputs
+    structured_outputs_max_whitespace: int | None = _default("structured_outputs_max_whitespace")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -86,6 +92,12 @@ class EngineArgs:
                             help="while requests decode, cut prompt chunks so that a step is predicted to take at "
                                  "most this many ms (a model of this machine's steps, learnt as they run; needs "
                                  f"chunked prefill). Default: off; for serve {SERVE_TARGET_ITL_MS:g}")
+        parser.add_argument("--structured-outputs-max-whitespace", type=_int_or_off, metavar="N|off",
+                            default=_default("structured_outputs_max_whitespace"),
+                            help="characters in one run of whitespace that a JSON constraint (json_schema, "
+                                 "json_object, tool calls) allows between its tokens (default "
+                                 f"{_default('structured_outputs_max_whitespace')}, as llama.cpp's JSON grammars; "
+                                 "off: unbounded); disable_any_whitespace still allows none")
         parallel = parser.add_argument_group("parallelism (README: Scale-out)")
         parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=_default("tensor_parallel_size"),
                               help="ranks that split every layer (Megatron-style)")

@@ -50,7 +50,8 @@ class InputProcessor:
         self.num_kv_blocks = num_kv_blocks
         self.generation_config = _read_generation_config(Path(config.model))
         self.eos_token_ids = self._eos_token_ids()
-        self.grammars = GrammarCompiler(tokenizer, config.model_config.vocab_size, self.eos_token_ids)
+        self.grammars = GrammarCompiler(tokenizer, config.model_config.vocab_size, self.eos_token_ids,
+                                        config.structured_outputs_max_whitespace)
 
     def _eos_token_ids(self) -> frozenset[int]:
         ids = set(self.config.model_config.eos_token_ids)

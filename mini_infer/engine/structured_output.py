@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mini_infer.config import DEFAULT_MAX_JSON_WHITESPACE
 from mini_infer.errors import InvalidRequestError
 from mini_infer.sampling_params import StructuredOutputsParams
 
@@ -32,8 +33,10 @@ class GrammarCompiler:
     """Compiles constraints into xgrammar grammars for one tokenizer and vocabulary, caching them by constraint.
     Thread-safe: a server compiles on worker threads while the engine thread builds matchers."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: frozenset[int]) -> None:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: frozenset[int],
+                 max_whitespace: int | None = DEFAULT_MAX_JSON_WHITESPACE) -> None:
         self._tokenizer = tokenizer
+        self.max_whitespace = max_whitespace  # characters in one run of JSON whitespace (None: unbounded)
         self.vocab_size = vocab_size
         self._stop_token_ids = sorted(stop_token_ids)
         self._compiler: xgr.GrammarCompiler | None = None  # built on first use (reading the vocabulary takes ~1 s)
@@ -70,13 +73,14 @@ class GrammarCompiler:
         return compiled
 
     def _compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        kind, any_whitespace = params.kind, not params.disable_any_whitespace
+        kind = params.kind
+        whitespace = {"any_whitespace": False} if params.disable_any_whitespace else {
+            "any_whitespace": True, "max_whitespace_cnt": self.max_whitespace}
         try:
-            if kind == "json":
-                schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
-                return self._compiler.compile_json_schema(schema, any_whitespace=any_whitespace)
-            if kind == "json_object":
-                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
+            if kind in ("json", "json_object"):
+                schema = '{"type": "object"}' if kind == "json_object" else (
+                    params.json if isinstance(params.json, str) else json.dumps(params.json))
+                return self._compiler.compile_grammar(_json_grammar(schema, whitespace))
             if kind == "regex":
                 return self._compiler.compile_regex(params.regex)
             if kind == "choice":  # JSON's string escapes are the grammar's too
@@ -121,6 +125,21 @@ class Grammar:
     @property
     def terminated(self) -> bool:
         return self._matcher.is_terminated()
+
+
+# xgrammar 0.2's rule for a string of bounded length (maxLength, minLength) excludes only the quote, the backslash,
+# CR and LF from its characters: a tab or another control character could come out raw, which JSON forbids. Its rule
+# for other strings excludes them all; the bounded one is given the same class.
+_BOUNDED_STRING_CHARACTER = r'[^\"\\\r\n]'
+_JSON_STRING_CHARACTER = r'[^\0-\x1f\"\\]'
+
+
+def _json_grammar(schema: str, whitespace: dict) -> str:
+    """The EBNF of a JSON schema, as xgrammar writes it, with every string character JSON allows and no other."""
+    import xgrammar as xgr
+
+    return str(xgr.Grammar.from_json_schema(schema, **whitespace)).replace(_BOUNDED_STRING_CHARACTER,
+                                                                           _JSON_STRING_CHARACTER)
 
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
