@@ -40,3 +40,4 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: per prompt token (None for the first) its logprob and the top-N at its
     # position, once the whole prompt is computed (in the first output that carries it, for DELTA).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache held when the request was first scheduled

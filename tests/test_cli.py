@@ -92,3 +92,14 @@ def test_package_imports_from_transformers_only_tokenization():
                 assert node.module in allowed, (path, node.module)
                 names = allowed[node.module]
                 assert names is None or {a.name for a in node.names} <= names, (path, node.module)
+
+
+def test_seed_flag_reaches_the_engine_config(tiny_model_dir):
+    import argparse
+
+    from mini_infer.engine.arg_utils import EngineArgs
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    for flags, seed in (([], 0), (["--seed", "7"], 7)):
+        args = parser.parse_args(["--model", str(tiny_model_dir), *flags])
+        assert EngineArgs.from_cli_args(args).create_engine_config().seed == seed

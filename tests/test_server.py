@@ -178,6 +178,9 @@ def test_openai_client_chat(served, offline):
 def test_models_and_health(served):
     _, server = served
     assert [m.id for m in client(server).models.list()] == [MODEL_NAME]
+    assert client(server).models.retrieve(MODEL_NAME).id == MODEL_NAME
+    missing = httpx.get(server.url + "/v1/models/no-such-model", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
     assert httpx.get(server.url + "/health").status_code == 200
 
 
@@ -443,6 +446,9 @@ def test_metrics_count_the_requests_sent(tiny_model_dir):
     assert value("mini_infer:prefix_cache_queries_total") == kv.prefix_queries == sum(u["prompt_tokens"]
                                                                                        for u in usages)
     assert value("mini_infer:prefix_cache_hits_total") == kv.prefix_hits >= 32
+    # each request's usage says how many of its prompt tokens the cache held: the repeated prompt's second time
+    cached = [u["prompt_tokens_details"]["cached_tokens"] for u in usages]
+    assert sum(cached) == kv.prefix_hits and cached[-2] == 0 and cached[-1] >= 32
     assert value("mini_infer:request_success_total", finished_reason="length") == 5
     assert value("mini_infer:request_success_total", finished_reason="stop") == 1
     assert value("mini_infer:request_success_total", finished_reason="abort") == 0

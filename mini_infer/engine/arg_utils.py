@@ -32,6 +32,7 @@ class EngineArgs:
     dtype: str = _default("dtype")
     device: str = _default("device")
     quantization: str | None = _default("quantization")
+    seed: int = _default("seed")
     # the KV cache
     block_size: int = _default("block_size")
     num_kv_blocks: int | None = _default("num_kv_blocks")
@@ -61,6 +62,8 @@ class EngineArgs:
                                  "generated once into the cache)")
         parser.add_argument("--dtype", default=_default("dtype"), help="auto, bfloat16, float16, float32 or float64")
         parser.add_argument("--device", default=_default("device"))
+        parser.add_argument("--seed", type=int, default=_default("seed"),
+                            help="seeds the sampling of requests that give no seed of their own (default 0)")
         parser.add_argument("--block-size", type=int, default=_default("block_size"))
         parser.add_argument("--num-kv-blocks", type=int, default=None)
         parser.add_argument("--kv-cache-memory-gb", type=float, default=_default("kv_cache_memory_gb"))

@@ -41,6 +41,7 @@ class RequestGroup:
     latest: dict[int, CompletionOutput] = field(default_factory=dict)  # each child's last (not DELTA)
     prompt_logprobs: list | None = None  # the first child's, once it has them
     finished: set[int] = field(default_factory=set)
+    num_cached_tokens: int = 0  # the first child's
 
     @property
     def done(self) -> bool:
@@ -69,5 +70,9 @@ class RequestGroup:
         first = outputs[0]
         # DELTA: in the one output that brings them; else in every output from then on.
         prompt_logprobs = arrived if self.kind is RequestOutputKind.DELTA else self.prompt_logprobs
+        # The prompt's cache hits are those of the first completion, which computed the prompt for the rest.
+        self.num_cached_tokens = next((o.num_cached_tokens for o in outputs if o.outputs[0].index == 0),
+                                      self.num_cached_tokens)
         return RequestOutput(request_id=self.request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
-                             outputs=shown, finished=self.done, prompt_logprobs=prompt_logprobs)
+                             outputs=shown, finished=self.done, prompt_logprobs=prompt_logprobs,
+                             num_cached_tokens=self.num_cached_tokens)

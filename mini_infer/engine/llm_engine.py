@@ -274,4 +274,4 @@ def _make_output(request: Request) -> RequestOutput | None:
         prompt_logprobs, request.prompt_logprobs_emitted = list(request.prompt_logprobs), True
     return RequestOutput(request_id=request.request_id, prompt=request.prompt,
                          prompt_token_ids=request.prompt_token_ids, outputs=[completion], finished=request.finished,
-                         prompt_logprobs=prompt_logprobs)
+                         prompt_logprobs=prompt_logprobs, num_cached_tokens=request.num_cached_tokens or 0)

@@ -41,6 +41,7 @@ class Request:
     num_preemptions: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # SamplingParams.prompt_logprobs, by position
     prompt_logprobs_emitted: bool = False
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at its first admission
     index: int = 0  # which of its group's n completions (SamplingParams.n; engine/group.py)
     group_id: str | None = None  # the request it was fanned out of, or None
     grammar: Grammar | None = None  # SamplingParams.structured_outputs: where its output is in its grammar

@@ -243,6 +243,8 @@ class Scheduler:
         self.waiting.popleft()
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = cached
+        if request.num_cached_tokens is None:  # (a recompute after preemption is not the client's cache hit)
+            request.num_cached_tokens = cached
         self.running.append(request)
         return num_new
 

@@ -16,7 +16,6 @@ _SAMPLING_FLAGS = {  # flag -> (type, SamplingParams field)
     "--repetition-penalty": (float, "repetition_penalty"),
     "--presence-penalty": (float, "presence_penalty"),
     "--frequency-penalty": (float, "frequency_penalty"),
-    "--seed": (int, "seed"),
     "--min-tokens": (int, "min_tokens"),
 }
 

@@ -1,8 +1,8 @@
 """`mini-infer serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one AsyncLLMEngine.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (SSE streaming with `stream: true`; `n` choices),
-GET /v1/models, POST /tokenize and POST /detokenize (vLLM's), GET /health, GET /metrics (Prometheus text). Errors
-come back in OpenAI's shape, {"error": {"message", "type", "param", "code"}}.
+GET /v1/models and /v1/models/{id}, POST /tokenize and POST /detokenize (vLLM's), GET /health, GET /metrics
+(Prometheus text). Errors come back in OpenAI's shape, {"error": {"message", "type", "param", "code"}}.
 """
 
 from __future__ import annotations
@@ -88,13 +88,22 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, *, api_key: str | 
     async def metrics():
         return Response(generate_latest(engine.metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card() -> dict:
+        return {"id": served_model_name, "object": "model", "created": server.created, "owned_by": "mini-infer",
+                "root": str(engine.config.model), "max_model_len": engine.config.max_model_len}
+
     @app.get("/v1/models")
     async def models(request: Request):
         server.authorize(request)
-        config = engine.config
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": server.created,
-                                            "owned_by": "mini-infer", "root": str(config.model),
-                                            "max_model_len": config.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str):
+        server.authorize(request)
+        if model_id != served_model_name:
+            raise APIError(404, f"the model {model_id!a} does not exist; this server serves {served_model_name!a}",
+                           "model")
+        return model_card()
 
     def endpoint(body: type[BaseModel], run: Callable):
         async def handle(request: Request):
@@ -246,13 +255,13 @@ class _Server:
         result = await _unless_disconnected(request, _collect(outputs, first))
         if result is None:
             return Response(status_code=499)
-        completions, prompt_token_ids, prompt_logprobs = result
+        completions, prompt_token_ids, prompt_logprobs, cached = result
         choices.note_prompt(prompt_token_ids, prompt_logprobs)
         prompt_tokens = len(prompt_token_ids)
         return {**meta, "object": choices.object,
                 "choices": [choices.choice(i, c.text, c.logprobs, c.finish_reason, c.stop_reason, streaming=False)
                             for i, c in sorted(completions.items())],
-                "usage": usage_body(prompt_tokens, sum(len(c.token_ids) for c in completions.values()))}
+                "usage": usage_body(prompt_tokens, sum(len(c.token_ids) for c in completions.values()), cached)}
 
     def _sampling_params(self, req, max_tokens: int | None, logprobs: int | None):
         return req.sampling_params(self.engine.default_sampling_params(), max_tokens, logprobs)
@@ -272,7 +281,9 @@ async def _events(outputs, first: RequestOutput, chunk: dict, include_usage: boo
     num_tokens = 0
     usage = {"usage": None} if include_usage else {}
     opened: set[int] = set()
+    cached = 0
     async for output in _chain(first, outputs):
+        cached = output.num_cached_tokens
         choices.note_prompt(output.prompt_token_ids, output.prompt_logprobs)
         for completion in output.outputs:  # one chunk per choice that has something new, as vLLM streams n > 1
             index = completion.index
@@ -290,7 +301,7 @@ async def _events(outputs, first: RequestOutput, chunk: dict, include_usage: boo
             if choice is not None:
                 yield _sse({**chunk, "choices": [choice], **usage})
     if include_usage:
-        yield _sse({**chunk, "choices": [], "usage": usage_body(len(first.prompt_token_ids), num_tokens)})
+        yield _sse({**chunk, "choices": [], "usage": usage_body(len(first.prompt_token_ids), num_tokens, cached)})
     yield "data: [DONE]\n\n"
 
 
@@ -335,11 +346,12 @@ async def _chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> As
 
 
 async def _collect(outputs: AsyncIterator[RequestOutput], first: RequestOutput):
-    """Run a request to the end: ({index: its whole CompletionOutput}, prompt token ids, prompt logprobs or None),
-    from DELTA outputs."""
+    """Run a request to the end: ({index: its whole CompletionOutput}, prompt token ids, prompt logprobs or None,
+    prompt tokens found cached), from DELTA outputs."""
     completions: dict[int, CompletionOutput] = {}
-    prompt_logprobs = None
+    prompt_logprobs, cached = None, 0
     async for output in _chain(first, outputs):
+        cached = output.num_cached_tokens
         prompt_logprobs = prompt_logprobs if prompt_logprobs is not None else output.prompt_logprobs
         for delta in output.outputs:
             whole = completions.setdefault(delta.index, CompletionOutput(
@@ -349,7 +361,7 @@ async def _collect(outputs: AsyncIterator[RequestOutput], first: RequestOutput):
             if whole.logprobs is not None:
                 whole.logprobs += delta.logprobs
             whole.finish_reason, whole.stop_reason = delta.finish_reason, delta.stop_reason
-    return completions, first.prompt_token_ids, prompt_logprobs
+    return completions, first.prompt_token_ids, prompt_logprobs, cached
 
 
 async def _unless_disconnected(request: Request, work):

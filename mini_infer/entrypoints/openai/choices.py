@@ -98,9 +98,11 @@ class ChatChoices(Choices):
                 "stop_reason": stop_reason}
 
 
-def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI's usage: with the prompt tokens the prefix cache held (prompt_tokens_details.cached_tokens)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def _completion_logprobs(logprobs: list[dict], text_offset: int) -> dict:
