@@ -173,6 +173,14 @@ def test_openai_client_chat(served, offline):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.outputs[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.total_tokens == out.usage.total_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+    stream = client(server).chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=5,
+                                                    temperature=0, stream=True,
+                                                    stream_options={"include_usage": True,
+                                                                    "continuous_usage_stats": True})
+    counted = [c.usage.completion_tokens for c in stream]  # every chunk: the tokens streamed so far
+    assert counted[0] == 0 and counted[-2:] == [5, 5] and counted == sorted(counted)
 
 
 def test_models_and_health(served):

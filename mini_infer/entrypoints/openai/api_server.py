@@ -250,7 +250,7 @@ class _Server:
             return Response(status_code=499)
         meta = dict(id=request_id, created=int(time.time()), model=self.model_name)
         if req.stream:
-            return _SSEResponse(_events(outputs, first, {**meta, "object": choices.chunk_object}, req.include_usage,
+            return _SSEResponse(_events(outputs, first, {**meta, "object": choices.chunk_object}, req.usage_mode,
                                         choices))
         result = await _unless_disconnected(request, _collect(outputs, first))
         if result is None:
@@ -275,13 +275,19 @@ class _Server:
             raise _engine_error(e) from None
 
 
-async def _events(outputs, first: RequestOutput, chunk: dict, include_usage: bool, choices: Choices):
+async def _events(outputs, first: RequestOutput, chunk: dict, usage_mode: str | None, choices: Choices):
     """A request's SSE events: a chunk per output that carries tokens, text or logprobs (and the last one), then
-    the usage chunk if asked for, then [DONE]."""
-    num_tokens = 0
-    usage = {"usage": None} if include_usage else {}
+    the usage chunk if asked for, then [DONE]. usage_mode: None (no usage), "final" (include_usage: a last chunk
+    with the usage, "usage": null in the others) or "continuous" (vLLM's continuous_usage_stats: every chunk
+    carries the usage so far too)."""
+    num_tokens, cached = 0, 0
     opened: set[int] = set()
-    cached = 0
+
+    def usage() -> dict:
+        if usage_mode == "continuous":
+            return {"usage": usage_body(len(first.prompt_token_ids), num_tokens, cached)}
+        return {"usage": None} if usage_mode else {}
+
     async for output in _chain(first, outputs):
         cached = output.num_cached_tokens
         choices.note_prompt(output.prompt_token_ids, output.prompt_logprobs)
@@ -290,7 +296,7 @@ async def _events(outputs, first: RequestOutput, chunk: dict, include_usage: boo
             opening = choices.opening(index) if index not in opened else None
             opened.add(index)
             if opening is not None:
-                yield _sse({**chunk, "choices": [opening], **usage})
+                yield _sse({**chunk, "choices": [opening], **usage()})
             num_tokens += len(completion.token_ids)
             # A new token whose text the detokenizer still holds (part of a UTF-8 character) streams as an empty
             # chunk, as vLLM's do: a client sees every step's token arrive.
@@ -299,8 +305,8 @@ async def _events(outputs, first: RequestOutput, chunk: dict, include_usage: boo
             choice = choices.choice(index, completion.text, completion.logprobs, completion.finish_reason,
                                     completion.stop_reason, streaming=True)
             if choice is not None:
-                yield _sse({**chunk, "choices": [choice], **usage})
-    if include_usage:
+                yield _sse({**chunk, "choices": [choice], **usage()})
+    if usage_mode:
         yield _sse({**chunk, "choices": [], "usage": usage_body(len(first.prompt_token_ids), num_tokens, cached)})
     yield "data: [DONE]\n\n"
 

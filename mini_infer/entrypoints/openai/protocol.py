@@ -27,6 +27,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)  # no "true" for true, no 1 for true
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far (with include_usage)
 
 
 class _SamplingRequest(BaseModel):
@@ -142,8 +143,11 @@ class _SamplingRequest(BaseModel):
         return bias
 
     @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+    def usage_mode(self) -> str | None:
+        """How a stream reports usage (api_server._events): None, "final" or "continuous"."""
+        if self.stream_options is None or not self.stream_options.include_usage:
+            return None
+        return "continuous" if self.stream_options.continuous_usage_stats else "final"
 
 
 class CompletionRequest(_SamplingRequest):
