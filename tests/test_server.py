@@ -183,6 +183,39 @@ def test_openai_client_chat(served, offline):
     assert counted[0] == 0 and counted[-2:] == [5, 5] and counted == sorted(counted)
 
 
+def test_a_list_of_prompts_gets_n_choices_each_indexed_as_openai(served, offline):
+    """OpenAI's batch: prompt k's choice j is choice k * n + j, each what that prompt alone gives (greedy), the
+    usage summed; streamed and not; token-id prompts too."""
+    _, server = served
+    texts = prompts(3)
+    expected = [greedy_offline(offline, p, 4) for p in texts]
+    body = {"prompt": texts, "max_tokens": 4, "temperature": 0, "n": 2}
+    answer = post(server, "/v1/completions", body).json()
+    assert [c["index"] for c in answer["choices"]] == list(range(6))
+    assert [c["text"] for c in answer["choices"]] == [e.outputs[0].text for e in expected for _ in range(2)]
+    assert answer["usage"]["prompt_tokens"] == sum(len(e.prompt_token_ids) for e in expected)
+    assert answer["usage"]["completion_tokens"] == 6 * 4
+    ids = post(server, "/v1/completions", {**body, "prompt": [e.prompt_token_ids for e in expected]}).json()
+    assert [c["text"] for c in ids["choices"]] == [c["text"] for c in answer["choices"]]
+    streamed = {}
+    for chunk in client(server).completions.create(model=MODEL_NAME, **body, stream=True,
+                                                   stream_options={"include_usage": True}):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+        usage = chunk.usage
+    assert [streamed[i] for i in range(6)] == [c["text"] for c in answer["choices"]]
+    assert usage.completion_tokens == 24 and usage.prompt_tokens == answer["usage"]["prompt_tokens"]
+
+
+def test_a_bad_prompt_in_a_list_fails_the_request_alone(served):
+    engine, server = served
+    refused = post(server, "/v1/completions", {"prompt": ["fine", [151936]], "max_tokens": 2})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt", refused.text
+    assert post(server, "/v1/completions", {"prompt": ["fine", "also fine"], "max_tokens": 2}).status_code == 200
+    assert post(server, "/v1/completions", {"prompt": ["x"] * 257, "max_tokens": 1}).status_code == 400
+    assert engine.engine.kv_cache_usage() == 0.0
+
+
 def test_models_and_health(served):
     _, server = served
     assert [m.id for m in client(server).models.list()] == [MODEL_NAME]

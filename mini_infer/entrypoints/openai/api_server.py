@@ -182,21 +182,23 @@ class _Server:
 
     async def completion(self, request: Request, req: CompletionRequest):
         params = self._sampling_params(req, req.max_tokens, req.logprobs)
+        prompts = req.prompts
         if not req.echo:
-            return await self._generate(request, req, req.prompt, params, CompletionChoices())
+            return await self._generate(request, req, prompts, params, [CompletionChoices() for _ in prompts])
         # echo: the prompt text before each choice's, and with logprobs the prompt's logprobs before its own.
         tokenizer = self._tokenizer("echo")
-        text = req.prompt if isinstance(req.prompt, str) else await asyncio.to_thread(tokenizer.decode, req.prompt)
+        texts = [p if isinstance(p, str) else await asyncio.to_thread(tokenizer.decode, p) for p in prompts]
         if req.logprobs is not None:
             params = replace(params, prompt_logprobs=req.logprobs)
-        return await self._generate(request, req, req.prompt, params, CompletionChoices(text, tokenizer.decode))
+        return await self._generate(request, req, prompts, params,
+                                    [CompletionChoices(text, tokenizer.decode) for text in texts])
 
     async def chat_completion(self, request: Request, req: ChatCompletionRequest):
         prompt = self._render_chat(req.messages, req.add_generation_prompt, req.tools)
         params = self._sampling_params(req, req.requested_max_tokens, req.requested_logprobs)
         tool_choice = req.parsed_tool_choice
-        return await self._generate(request, req, prompt, params, ChatChoices(
-            req.top_logprobs or 0, tool_choice if tool_choice.mode != "none" else None))
+        return await self._generate(request, req, [prompt], params, [ChatChoices(
+            req.top_logprobs or 0, tool_choice if tool_choice.mode != "none" else None)])
 
     def _render_chat(self, messages, add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
         """The messages (and tools) as the model's chat template renders them (a 400 naming messages where it
@@ -240,28 +242,38 @@ class _Server:
         check_token_ids(req.tokens, self.engine.config.model_config.vocab_size, "token id", "tokens")
         return {"prompt": await asyncio.to_thread(tokenizer.decode, req.tokens)}
 
-    async def _generate(self, request: Request, req, prompt, params, choices: Choices):
-        """Run the request: an SSE response when it streams, else the whole response body."""
-        request_id = f"{choices.id_prefix}-{uuid.uuid4().hex}"
-        outputs = self.engine.generate(request_id, prompt, params)
+    async def _generate(self, request: Request, req, prompts: list, params, choices: list[Choices]):
+        """Run the request, one engine request per prompt (prompt k's choice j is choice k * n + j, as OpenAI
+        indexes a batch): an SSE response when it streams, else the whole response body."""
+        request_id = f"{choices[0].id_prefix}-{uuid.uuid4().hex}"
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{k}" for k in range(len(prompts))]
+        outputs = [self.engine.generate(rid, prompt, params) for rid, prompt in zip(ids, prompts)]
         # Watched from the start: a client gone before its first token must not have its prompt prefilled.
-        first = await _unless_disconnected(request, self._first_output(outputs))
-        if first is None:
+        try:
+            firsts = await _unless_disconnected(request, _gather(*(self._first_output(o) for o in outputs)))
+        except BaseException:  # one prompt refused (or the engine dead): the others do not run either
+            await asyncio.gather(*(o.aclose() for o in outputs))
+            raise
+        if firsts is None:
             return Response(status_code=499)
         meta = dict(id=request_id, created=int(time.time()), model=self.model_name)
         if req.stream:
-            return _SSEResponse(_events(outputs, first, {**meta, "object": choices.chunk_object}, req.usage_mode,
-                                        choices))
-        result = await _unless_disconnected(request, _collect(outputs, first))
-        if result is None:
+            return _SSEResponse(_events(_merge([_chain(f, o) for f, o in zip(firsts, outputs)]), firsts,
+                                        {**meta, "object": choices[0].chunk_object}, req.usage_mode, choices,
+                                        params.n))
+        results = await _unless_disconnected(request, _gather(*(_collect(o, f) for o, f in zip(outputs, firsts))))
+        if results is None:
             return Response(status_code=499)
-        completions, prompt_token_ids, prompt_logprobs, cached = result
-        choices.note_prompt(prompt_token_ids, prompt_logprobs)
-        prompt_tokens = len(prompt_token_ids)
-        return {**meta, "object": choices.object,
-                "choices": [choices.choice(i, c.text, c.logprobs, c.finish_reason, c.stop_reason, streaming=False)
-                            for i, c in sorted(completions.items())],
-                "usage": usage_body(prompt_tokens, sum(len(c.token_ids) for c in completions.values()), cached)}
+        body, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
+        for k, (completions, prompt_token_ids, prompt_logprobs, hits) in enumerate(results):
+            choices[k].note_prompt(prompt_token_ids, prompt_logprobs)
+            body += [choices[k].choice(k * params.n + i, c.text, c.logprobs, c.finish_reason, c.stop_reason,
+                                       streaming=False) for i, c in sorted(completions.items())]
+            prompt_tokens += len(prompt_token_ids)
+            completion_tokens += sum(len(c.token_ids) for c in completions.values())
+            cached += hits
+        return {**meta, "object": choices[0].object, "choices": body,
+                "usage": usage_body(prompt_tokens, completion_tokens, cached)}
 
     def _sampling_params(self, req, max_tokens: int | None, logprobs: int | None):
         return req.sampling_params(self.engine.default_sampling_params(), max_tokens, logprobs)
@@ -275,25 +287,27 @@ class _Server:
             raise _engine_error(e) from None
 
 
-async def _events(outputs, first: RequestOutput, chunk: dict, usage_mode: str | None, choices: Choices):
-    """A request's SSE events: a chunk per output that carries tokens, text or logprobs (and the last one), then
-    the usage chunk if asked for, then [DONE]. usage_mode: None (no usage), "final" (include_usage: a last chunk
-    with the usage, "usage": null in the others) or "continuous" (vLLM's continuous_usage_stats: every chunk
-    carries the usage so far too)."""
-    num_tokens, cached = 0, 0
+async def _events(outputs: AsyncIterator[tuple[int, RequestOutput]], firsts: list[RequestOutput], chunk: dict,
+                  usage_mode: str | None, choices: list[Choices], n: int):
+    """A request's SSE events from the outputs of its prompts (prompt k's, tagged k): a chunk per output that
+    carries tokens, text or logprobs (and the last one), then the usage chunk if asked for, then [DONE].
+    usage_mode: None (no usage), "final" (include_usage: a last chunk with the usage, "usage": null in the others)
+    or "continuous" (vLLM's continuous_usage_stats: every chunk carries the usage so far too)."""
+    prompt_tokens = sum(len(first.prompt_token_ids) for first in firsts)
+    num_tokens, cached = 0, [0] * len(firsts)
     opened: set[int] = set()
 
     def usage() -> dict:
         if usage_mode == "continuous":
-            return {"usage": usage_body(len(first.prompt_token_ids), num_tokens, cached)}
+            return {"usage": usage_body(prompt_tokens, num_tokens, sum(cached))}
         return {"usage": None} if usage_mode else {}
 
-    async for output in _chain(first, outputs):
-        cached = output.num_cached_tokens
-        choices.note_prompt(output.prompt_token_ids, output.prompt_logprobs)
+    async for k, output in outputs:
+        cached[k] = output.num_cached_tokens
+        choices[k].note_prompt(output.prompt_token_ids, output.prompt_logprobs)
         for completion in output.outputs:  # one chunk per choice that has something new, as vLLM streams n > 1
-            index = completion.index
-            opening = choices.opening(index) if index not in opened else None
+            index = k * n + completion.index
+            opening = choices[k].opening(index) if index not in opened else None
             opened.add(index)
             if opening is not None:
                 yield _sse({**chunk, "choices": [opening], **usage()})
@@ -302,12 +316,12 @@ async def _events(outputs, first: RequestOutput, chunk: dict, usage_mode: str | 
             # chunk, as vLLM's do: a client sees every step's token arrive.
             if not (completion.text or completion.token_ids or completion.logprobs or completion.finish_reason):
                 continue
-            choice = choices.choice(index, completion.text, completion.logprobs, completion.finish_reason,
-                                    completion.stop_reason, streaming=True)
+            choice = choices[k].choice(index, completion.text, completion.logprobs, completion.finish_reason,
+                                       completion.stop_reason, streaming=True)
             if choice is not None:
                 yield _sse({**chunk, "choices": [choice], **usage()})
     if usage_mode:
-        yield _sse({**chunk, "choices": [], "usage": usage_body(len(first.prompt_token_ids), num_tokens, cached)})
+        yield _sse({**chunk, "choices": [], "usage": usage_body(prompt_tokens, num_tokens, sum(cached))})
     yield "data: [DONE]\n\n"
 
 
@@ -341,6 +355,53 @@ async def _guard_engine_death(events: AsyncIterator[str]) -> AsyncIterator[str]:
         except EngineDeadError as e:
             yield _sse(_engine_error(e).body())
             yield "data: [DONE]\n\n"
+
+
+async def _gather(*works):
+    """asyncio.gather, its other works cancelled when one fails."""
+    tasks = [asyncio.ensure_future(work) for work in works]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # (done before their streams may be closed)
+
+
+async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of several prompts' streams as they come, each tagged with its stream's place; closing this
+    closes every stream (which aborts what is left of their requests)."""
+    if len(streams) == 1:  # one prompt: no tasks needed
+        async with contextlib.aclosing(streams[0]) as stream:
+            async for output in stream:
+                yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(k: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in stream:
+                await queue.put((k, output))
+        finally:
+            await queue.put((k, done))
+
+    tasks = [asyncio.ensure_future(pump(k, stream)) for k, stream in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            k, output = await queue.get()
+            if output is done:
+                remaining -= 1
+            else:
+                yield k, output
+        for task in tasks:
+            task.result()  # a stream's error, if one ended with one
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(stream.aclose() for stream in streams), return_exceptions=True)
 
 
 async def _chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:

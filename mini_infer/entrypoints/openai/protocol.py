@@ -23,6 +23,9 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
                  "guided_grammar": "grammar"}
 
 
+MAX_BATCH_PROMPTS = 256  # prompts one /v1/completions request may list
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)  # no "true" for true, no 1 for true
 
@@ -151,7 +154,8 @@ class _SamplingRequest(BaseModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int] = Field(description="one prompt: text or token ids")
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description="one prompt (text or token ids) or a list of them (OpenAI's batch: n choices per prompt)")
     max_tokens: int | None = 16  # OpenAI's default; None: up to max_model_len
     logprobs: int | None = None
     echo: bool = False
@@ -161,7 +165,18 @@ class CompletionRequest(_SamplingRequest):
     def _unsupported(self):
         if self.suffix is not None:
             raise InvalidRequestError("suffix is not supported by this server", "suffix")
+        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
+            if len(self.prompt) > MAX_BATCH_PROMPTS:
+                raise InvalidRequestError(f"prompt: at most {MAX_BATCH_PROMPTS} prompts a request, got "
+                                          f"{len(self.prompt)}", "prompt")
         return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request: one, or the batch it lists."""
+        if isinstance(self.prompt, str) or not self.prompt or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
 
 
 class ChatMessage(BaseModel):
