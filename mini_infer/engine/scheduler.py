@@ -141,7 +141,9 @@ class Scheduler:
             budget -= num_new
         self._order(plan)
         if self.step_cost is not None and plan.request_ids:
-            self._timed, self._timed_at = self._shape(plan), now
+            # (a preemption took requests back out of the plan after they were counted: count the plan again)
+            self._timed = shape if len(self._preempted) == preempted_before else self._shape(plan)
+            self._timed_at = now
         if self._num_constrained:
             plan.grammar = self._grammar_bitmask(plan)
         plan.finished_ids, self._left = self._left, []

@@ -20,10 +20,9 @@ MIN_STEPS = 2  # a model with fewer steps of prompt tokens predicts nothing yet
 
 @dataclass(slots=True)
 class StepShape:
-    """A step's size: requests, tokens computed, positions attended (summed over its tokens), the requests that
-    decode in it (one token past their prompt) and the other tokens (prompt chunks, recomputation)."""
+    """A step's size: tokens computed, positions attended (summed over its tokens), the requests that decode in it
+    (one token past their prompt) and the other tokens (prompt chunks, recomputation)."""
 
-    requests: int = 0
     tokens: int = 0
     positions: int = 0
     decodes: int = 0
@@ -31,7 +30,6 @@ class StepShape:
 
     def add(self, num_new: int, num_computed: int, num_prompt: int) -> None:
         """A request computing `num_new` tokens after `num_computed` cached ones, of a `num_prompt`-token prompt."""
-        self.requests += 1
         self.tokens += num_new
         self.positions += attended(num_new, num_computed)
         if num_new == 1 and num_computed >= num_prompt:
@@ -41,8 +39,7 @@ class StepShape:
 
     def with_chunk(self, num_new: int, num_computed: int) -> StepShape:
         """This shape plus a prompt chunk of `num_new` tokens after `num_computed`."""
-        return StepShape(self.requests + 1, self.tokens + num_new,
-                         self.positions + attended(num_new, num_computed), self.decodes,
+        return StepShape(self.tokens + num_new, self.positions + attended(num_new, num_computed), self.decodes,
                          self.prompt_tokens + num_new)
 
 
@@ -104,14 +101,6 @@ class OnlineStepCost(StepCost):
 
 def features(shape: StepShape) -> tuple[float, float, float]:
     return 1.0, float(shape.tokens), float(shape.positions)
-
-
-def fit(steps: list[tuple[StepShape, float]]) -> tuple[float, float, float]:
-    """The coefficients for these steps' times that OnlineStepCost would hold for its windows: least squares of the
-    relative errors."""
-    gram = [[sum(features(s)[i] * features(s)[j] / t ** 2 for s, t in steps) for j in range(3)] for i in range(3)]
-    moment = [sum(features(s)[i] / t for s, t in steps) for i in range(3)]
-    return solve(gram, moment)
 
 
 def solve(gram: list[list[float]], moment: list[float]) -> tuple[float, float, float]:

@@ -371,11 +371,6 @@ async def _gather(*works):
 async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """The outputs of several prompts' streams as they come, each tagged with its stream's place; closing this
     closes every stream (which aborts what is left of their requests)."""
-    if len(streams) == 1:  # one prompt: no tasks needed
-        async with contextlib.aclosing(streams[0]) as stream:
-            async for output in stream:
-                yield 0, output
-        return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 

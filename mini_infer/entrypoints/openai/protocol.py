@@ -165,10 +165,9 @@ class CompletionRequest(_SamplingRequest):
     def _unsupported(self):
         if self.suffix is not None:
             raise InvalidRequestError("suffix is not supported by this server", "suffix")
-        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
-            if len(self.prompt) > MAX_BATCH_PROMPTS:
-                raise InvalidRequestError(f"prompt: at most {MAX_BATCH_PROMPTS} prompts a request, got "
-                                          f"{len(self.prompt)}", "prompt")
+        if len(self.prompts) > MAX_BATCH_PROMPTS:
+            raise InvalidRequestError(f"prompt: at most {MAX_BATCH_PROMPTS} prompts a request, got "
+                                      f"{len(self.prompts)}", "prompt")
         return self
 
     @property
