@@ -43,13 +43,17 @@ class LLM:
         return self._run(request_ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template, then generate."""
+             add_generation_prompt: bool = True, chat_template: str | None = None,
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
+        """Render each conversation with the chat template (the model's, or `chat_template`; chat_template_kwargs
+        are the template's variables, e.g. {"enable_thinking": False}), then generate."""
         tokenizer = self.get_tokenizer()
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
             raise ValueError(f"{self.engine.config.model} has no tokenizer with a chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt)
+        prompts = [tokenizer.apply_chat_template(c, tools=tools, tokenize=False, chat_template=chat_template,
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 **(chat_template_kwargs or {}))
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

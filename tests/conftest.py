@@ -139,3 +139,11 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from mini_infer.factory import make_model
 
     return make_model("tiny", tmp_path_factory.mktemp("tiny") / "model", seed=0, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def qwen3_model_dir(tmp_path_factory) -> Path:
+    """The `qwen3-tiny` preset: Qwen3's tokenizer (<think> tokens) and its chat template with the thinking switch."""
+    from mini_infer.factory import make_model
+
+    return make_model("qwen3-tiny", tmp_path_factory.mktemp("qwen3") / "model", seed=0, dtype="float32")

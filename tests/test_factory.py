@@ -230,7 +230,7 @@ def test_invalid_arguments_raise_value_error_naming_the_field(tmp_path):
 
 
 def test_failed_write_leaves_no_partial_model(tmp_path, monkeypatch):
-    def crash(_):
+    def crash(*_):
         raise RuntimeError("disk full")
 
     monkeypatch.setattr(checkpoint, "write_tokenizer", crash)

@@ -296,12 +296,15 @@ def make_model(
         weights = random_weights(config, seed, DTYPES[dtype])
         save_file(weights, staging / "model.safetensors", metadata={"format": "pt"})
         (staging / "model.safetensors").chmod(0o644)  # safetensors creates it owner-only
+        for name, content in EXTRA_FILES.get(preset, {}).items():
+            (staging / name).parent.mkdir(parents=True, exist_ok=True)
+            _write_json(staging / name, content)
         del weights  # ~1 GB for the 0.5B preset; free it before the tokenizer copy
         if tokenizer_files:
             for path in tokenizer_files:
                 shutil.copyfile(path, staging / path.name)
-        else:
-            write_tokenizer(staging)
+        else:  # Qwen3's tokenizer (its thinking template) for the qwen3 model type
+            write_tokenizer(staging, "qwen3" if config["model_type"] == "qwen3" else "qwen2.5")
         staging.chmod(0o755)  # mkdtemp creates it owner-only
         _rename_into_place(staging, out_dir)
     except BaseException:

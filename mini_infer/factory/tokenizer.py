@@ -51,48 +51,95 @@ CONTROL_TOKENS = [
     "<|file_sep|>",
 ]
 ADDED_TOKENS = SPECIAL_TOKENS + CONTROL_TOKENS
+# Qwen3 adds these after Qwen2.5's (ids 151665-151668), also plain: a reasoning parser reads <think> in the output.
+QWEN3_CONTROL_TOKENS = ["<tool_response>", "</tool_response>", "<think>", "</think>"]
 
 DEFAULT_SYSTEM_PROMPT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 
-# Qwen2.5-Instruct's ChatML, in our own words where it has prose: with `tools`, the system turn lists their
-# signatures inside <tools></tools> and asks for calls as {"name": ..., "arguments": {...}} inside
-# <tool_call></tool_call>; an assistant turn's tool_calls are rendered in that form and `tool` messages go back as a
-# user turn of <tool_response></tool_response> blocks (consecutive ones in one turn), as Qwen2.5 was trained to read.
-CHAT_TEMPLATE = (
-    "{%- set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' "
-    "else '" + DEFAULT_SYSTEM_PROMPT + "' -%}"
-    "{%- if tools -%}"
-    "{{- '<|im_start|>system\\n' ~ system ~ '\\n\\n# Tools\\n\\nYou can call the functions whose signatures "
-    "are listed inside <tools></tools>:\\n<tools>' -}}"
+# The template pieces both families share, in our own words where they have prose. The tools listing: their
+# signatures inside <tools></tools>, and calls asked for as {"name": ..., "arguments": {...}} inside
+# <tool_call></tool_call> (it follows the system turn's opening and ends it).
+_TOOLS_LISTING = (
+    "# Tools\\n\\nYou can call the functions whose signatures are listed inside <tools></tools>:\\n<tools>' -}}"
     "{%- for tool in tools -%}{{- '\\n' ~ (tool | tojson) -}}{%- endfor -%}"
     "{{- '\\n</tools>\\n\\nTo call one, answer with its name and arguments as a JSON object inside "
     "<tool_call></tool_call> tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
     "<args-json-object>}\\n</tool_call><|im_end|>\\n' -}}"
-    "{%- elif not messages or messages[0]['role'] != 'system' -%}"
-    "{{- '<|im_start|>system\\n' ~ system ~ '<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- for message in messages -%}"
+)
+# `tool` messages go back as a user turn of <tool_response></tool_response> blocks (consecutive ones in one turn).
+_TOOL_RESPONSE = (
     "{%- if message['role'] == 'tool' -%}"
     "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
     "{{- '\\n<tool_response>\\n' ~ (message['content'] or '') ~ '\\n</tool_response>' -}}"
     "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
-    "{%- elif message['role'] == 'assistant' and message['tool_calls'] -%}"
-    "{{- '<|im_start|>assistant\\n' ~ (message['content'] or '') -}}"
+)
+# An assistant turn's tool_calls, each in the form the tools listing asks for.
+_TOOL_CALLS = (
     "{%- for call in message['tool_calls'] -%}"
     "{%- set function = call['function'] if call['function'] is defined else call -%}"
     "{%- if message['content'] or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
     "{{- '<tool_call>\\n{\"name\": \"' ~ function['name'] ~ '\", \"arguments\": ' ~ "
     "(function['arguments'] | tojson) ~ '}\\n</tool_call>' -}}"
     "{%- endfor -%}"
-    "{{- '<|im_end|>\\n' -}}"
+)
+_OTHER_TURN = (
     "{%- elif not (tools and loop.first and message['role'] == 'system') -%}"
     "{{- '<|im_start|>' ~ message['role'] ~ '\\n' ~ (message['content'] or '') ~ '<|im_end|>\\n' -}}"
     "{%- endif -%}"
     "{%- endfor -%}"
+)
+
+# Qwen2.5-Instruct's ChatML: a default system prompt when the messages have none, and tool calls as Qwen2.5 was
+# trained to read them.
+CHAT_TEMPLATE = (
+    "{%- set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' "
+    "else '" + DEFAULT_SYSTEM_PROMPT + "' -%}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' ~ system ~ '\\n\\n" + _TOOLS_LISTING +
+    "{%- elif not messages or messages[0]['role'] != 'system' -%}"
+    "{{- '<|im_start|>system\\n' ~ system ~ '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}" + _TOOL_RESPONSE +
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] -%}"
+    "{{- '<|im_start|>assistant\\n' ~ (message['content'] or '') -}}" + _TOOL_CALLS +
+    "{{- '<|im_end|>\\n' -}}" + _OTHER_TURN +
     "{%- if add_generation_prompt -%}"
     "{{- '<|im_start|>assistant\\n' -}}"
     "{%- endif -%}"
 )
+
+# Qwen3's ChatML with its thinking switch: no default system prompt; an assistant turn after the last user turn keeps
+# its reasoning_content in a <think></think> block (earlier turns drop theirs); with enable_thinking false
+# (chat_template_kwargs) the generation prompt ends in an empty think block, so the model answers without thinking.
+QWEN3_CHAT_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}{{- messages[0]['content'] ~ '\\n\\n' -}}{%- endif -%}"
+    "{{- '" + _TOOLS_LISTING +
+    "{%- endif -%}"
+    "{%- for message in messages -%}" + _TOOL_RESPONSE +
+    "{%- elif message['role'] == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if message['reasoning_content'] and loop.index0 > ns.last_user -%}"
+    "{{- '<think>\\n' ~ message['reasoning_content'] ~ '\\n</think>\\n\\n' -}}"
+    "{%- endif -%}"
+    "{{- message['content'] or '' -}}"
+    "{%- if message['tool_calls'] -%}" + _TOOL_CALLS + "{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}" + _OTHER_TURN +
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}"
+    "{%- endif -%}"
+    "{%- endif -%}"
+)
+
+# A tokenizer family: its added tokens (in id order from FIRST_ADDED_TOKEN_ID) and its chat template.
+_FAMILIES = {"qwen2.5": (ADDED_TOKENS, CHAT_TEMPLATE),
+             "qwen3": (ADDED_TOKENS + QWEN3_CONTROL_TOKENS, QWEN3_CHAT_TEMPLATE)}
 
 
 def qwen_vocab_path() -> Path:
@@ -176,8 +223,9 @@ def cached_tokenizer_json() -> Path:
     return path
 
 
-def tokenizer_config() -> dict:
-    """tokenizer_config.json contents matching Qwen2.5-Instruct's, with our own chat template."""
+def tokenizer_config(family: str = "qwen2.5") -> dict:
+    """tokenizer_config.json contents matching Qwen2.5-Instruct's (or Qwen3's), with our own chat template."""
+    added, template = _FAMILIES[family]
     added_tokens_decoder = {
         str(FIRST_ADDED_TOKEN_ID + offset): {
             "content": content,
@@ -187,14 +235,14 @@ def tokenizer_config() -> dict:
             "single_word": False,
             "special": content in SPECIAL_TOKENS,
         }
-        for offset, content in enumerate(ADDED_TOKENS)
+        for offset, content in enumerate(added)
     }
     return {
         "add_prefix_space": False,
         "added_tokens_decoder": added_tokens_decoder,
         "additional_special_tokens": SPECIAL_TOKENS[1:],
         "bos_token": None,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": template,
         "clean_up_tokenization_spaces": False,
         "eos_token": "<|im_end|>",
         "errors": "replace",
@@ -206,12 +254,22 @@ def tokenizer_config() -> dict:
     }
 
 
-def write_tokenizer(out_dir: str | os.PathLike) -> None:
-    """Write tokenizer.json and tokenizer_config.json for the Qwen2.5 tokenizer into out_dir."""
+def write_tokenizer(out_dir: str | os.PathLike, family: str = "qwen2.5") -> None:
+    """Write tokenizer.json and tokenizer_config.json for the Qwen2.5 tokenizer (family "qwen2.5") or Qwen3's (the
+    same vocabulary, four more added tokens and the thinking chat template) into out_dir."""
+    if family not in _FAMILIES:
+        raise ValueError(f"tokenizer family must be one of {sorted(_FAMILIES)}, got {family!r}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "tokenizer.json").write_bytes(cached_tokenizer_json().read_bytes())
-    _write_tokenizer_config(out_dir)
+    if family == "qwen2.5":
+        (out_dir / "tokenizer.json").write_bytes(cached_tokenizer_json().read_bytes())
+    else:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(cached_tokenizer_json()))
+        tokenizer.add_tokens(QWEN3_CONTROL_TOKENS)
+        (out_dir / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
+    _write_tokenizer_config(out_dir, family)
 
 
 def refresh_tokenizer_config(model_dir: Path) -> bool:
@@ -224,8 +282,8 @@ def refresh_tokenizer_config(model_dir: Path) -> bool:
     return True
 
 
-def _write_tokenizer_config(out_dir: Path) -> None:
-    config_text = json.dumps(tokenizer_config(), indent=2, ensure_ascii=False) + "\n"
+def _write_tokenizer_config(out_dir: Path, family: str = "qwen2.5") -> None:
+    config_text = json.dumps(tokenizer_config(family), indent=2, ensure_ascii=False) + "\n"
     staging = out_dir / f".tokenizer_config.json.{os.getpid()}"
     staging.write_text(config_text, encoding="utf-8")
     staging.replace(out_dir / "tokenizer_config.json")  # whole, for a reader at the same time

@@ -14,6 +14,7 @@ import json
 import time
 import uuid
 from dataclasses import replace
+from pathlib import Path
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
@@ -29,6 +30,7 @@ from mini_infer.engine.input_processor import check_token_ids
 from mini_infer.entrypoints.openai.choices import ChatChoices, Choices, CompletionChoices, usage_body
 from mini_infer.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                     TokenizeRequest)
+from mini_infer.entrypoints.openai.reasoning import REASONING_PARSERS, check_reasoning_parser
 from mini_infer.entrypoints.openai.shutdown import Drain, DrainMiddleware
 from mini_infer.errors import InvalidRequestError
 from mini_infer.outputs import CompletionOutput, RequestOutput
@@ -62,9 +64,13 @@ def _check_api_key(api_key: str | None) -> str | None:
 
 
 def build_app(engine: AsyncLLMEngine, served_model_name: str, *, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, reasoning_parser: str | None = None,
+              chat_template: str | None = None) -> FastAPI:
+    """reasoning_parser: how chat answers split their reasoning off (reasoning.py); chat_template: a Jinja chat
+    template used instead of the tokenizer's."""
     app = FastAPI(title="mini-infer", docs_url=None, redoc_url=None, openapi_url=None)
-    server = _Server(engine, served_model_name, _check_api_key(api_key), max_body_bytes)
+    server = _Server(engine, served_model_name, _check_api_key(api_key), max_body_bytes,
+                     check_reasoning_parser(reasoning_parser), chat_template)
 
     @app.exception_handler(APIError)
     async def _api_error(_request, error: APIError):
@@ -123,11 +129,14 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, *, api_key: str | 
 
 
 class _Server:
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, api_key: str | None, max_body_bytes: int,
+                 reasoning_parser: str | None, chat_template: str | None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.reasoning_parser = reasoning_parser
+        self.chat_template = chat_template
         self.created = int(time.time())
 
     # ---- request plumbing ----
@@ -194,24 +203,25 @@ class _Server:
                                     [CompletionChoices(text, tokenizer.decode) for text in texts])
 
     async def chat_completion(self, request: Request, req: ChatCompletionRequest):
-        prompt = self._render_chat(req.messages, req.add_generation_prompt, req.tools)
+        prompt = self._render_chat([m.for_template() for m in req.messages], req.add_generation_prompt, req.tools,
+                                   req.chat_template_kwargs)
         params = self._sampling_params(req, req.requested_max_tokens, req.requested_logprobs)
         tool_choice = req.parsed_tool_choice
         return await self._generate(request, req, [prompt], params, [ChatChoices(
-            req.top_logprobs or 0, tool_choice if tool_choice.mode != "none" else None)])
+            req.top_logprobs or 0, tool_choice if tool_choice.mode != "none" else None, self.reasoning_parser)])
 
-    def _render_chat(self, messages, add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
-        """The messages (and tools) as the model's chat template renders them (a 400 naming messages where it
-        cannot, or tools where it leaves them out)."""
+    def _render_chat(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,
+                     template_kwargs: dict | None = None) -> str:
+        """The messages (and tools) as the chat template renders them (a 400 naming messages where it cannot, or
+        tools where it leaves them out); template_kwargs: the request's chat_template_kwargs."""
         tokenizer = self.engine.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        if tokenizer is None or not (self.chat_template or getattr(tokenizer, "chat_template", None)):
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
-        rendered = [m.for_template() for m in messages]
+        options = dict(tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=self.chat_template,
+                       **(template_kwargs or {}))
         try:
-            text = tokenizer.apply_chat_template(rendered, tools=tools, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt)
-            without_tools = None if not tools else tokenizer.apply_chat_template(
-                rendered, tokenize=False, add_generation_prompt=add_generation_prompt)
+            text = tokenizer.apply_chat_template(messages, tools=tools, **options)
+            without_tools = None if not tools else tokenizer.apply_chat_template(messages, **options)
         except Exception as e:  # noqa: BLE001 - the template's own error, reported to the caller
             raise APIError(400, f"the chat template could not render these messages: {e}", "messages") from None
         if text == without_tools:
@@ -231,7 +241,9 @@ class _Server:
         if req.prompt is not None:
             text, special = req.prompt, req.add_special_tokens is not False
         else:
-            text, special = self._render_chat(req.messages, req.add_generation_prompt), bool(req.add_special_tokens)
+            text = self._render_chat([m.for_template() for m in req.messages], req.add_generation_prompt,
+                                     template_kwargs=req.chat_template_kwargs)
+            special = bool(req.add_special_tokens)
         # Off the event loop: a 4 MB text takes a while to encode.
         tokens = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=special)
         return {"count": len(tokens), "max_model_len": self.engine.config.max_model_len, "tokens": tokens,
@@ -488,6 +500,18 @@ def _validation_error(error: ValidationError) -> APIError:
     return APIError(400, f"{path}: {first['msg']} (got {first.get('input')!r:.80})", str(loc[0]))
 
 
+def load_chat_template(template: str | None) -> str | None:
+    """--chat-template: a file's text, or the template itself when it is one (as vLLM takes it)."""
+    if template is None:
+        return None
+    path = Path(template)
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in template or "{%" in template:
+        return template
+    raise ValueError(f"--chat-template: {template!r} is neither a file nor a Jinja template")
+
+
 def add_serve_args(parser):
     """The `serve` subcommand's options plus the engine's."""
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
@@ -503,6 +527,12 @@ def add_serve_args(parser):
                         help="on SIGTERM / SIGINT, how long open requests get to finish before they are aborted "
                              "(new ones get a 503 meanwhile; a second signal aborts them at once)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                        help="split a reasoning model's <think> text off its answer: reasoning_content in chat "
+                             "completions, a reasoning item in /v1/responses (README: Reasoning models)")
+    parser.add_argument("--chat-template", default=None, metavar="PATH",
+                        help="a Jinja chat template file (or the template itself) to use instead of the "
+                             "tokenizer's")
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(target_itl_ms=SERVE_TARGET_ITL_MS)  # a server streams: its steps keep to a target
     return parser
@@ -513,7 +543,6 @@ def run_server(args) -> int:
     import gc
     import logging
     import os
-    from pathlib import Path
 
     from mini_infer.engine.metrics import EngineMetrics
     from mini_infer.entrypoints.openai.shutdown import serve
@@ -522,6 +551,7 @@ def run_server(args) -> int:
         raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     if not args.shutdown_timeout >= 0:  # also refuses nan
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    chat_template = load_chat_template(args.chat_template)
     engine_args = EngineArgs.from_cli_args(args)
     model_dir = engine_args.resolved_model()
     name = args.served_model_name or args.model or Path(model_dir).name
@@ -533,7 +563,8 @@ def run_server(args) -> int:
     # collection walks it in the middle of a step (vLLM freezes its startup objects too).
     gc.collect()
     gc.freeze()
-    app = build_app(engine, name, api_key=api_key, max_body_bytes=args.max_body_bytes)
+    app = build_app(engine, name, api_key=api_key, max_body_bytes=args.max_body_bytes,
+                    reasoning_parser=args.reasoning_parser, chat_template=chat_template)
     logging.getLogger("mini_infer").info("serving %s (%s) on http://%s:%d/v1", name, model_dir, args.host, args.port)
     try:
         serve(app, engine, host=args.host, port=args.port, log_level=args.log_level,

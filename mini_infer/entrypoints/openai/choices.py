@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mini_infer.entrypoints.openai.reasoning import ReasoningStream
 from mini_infer.entrypoints.openai.tools import ToolChoice, ToolStream, merge
 from mini_infer.outputs import Logprob
 
@@ -59,11 +60,15 @@ class CompletionChoices(Choices):
 class ChatChoices(Choices):
     id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, top_logprobs: int, tool_choice: ToolChoice | None = None) -> None:
-        """tool_choice: how to read tool calls out of the text (None: the text is the content)."""
+    def __init__(self, top_logprobs: int, tool_choice: ToolChoice | None = None,
+                 reasoning_parser: str | None = None) -> None:
+        """tool_choice: how to read tool calls out of the text (None: the text is the content); reasoning_parser:
+        how to split the reasoning off first (reasoning.py; None: there is none)."""
         self.top_logprobs = top_logprobs
         self.tool_choice = tool_choice
         self.tool_streams: dict[int, ToolStream] = {}  # a streamed choice's parser, by index
+        self.reasoning_parser = reasoning_parser
+        self.reasoning_streams: dict[int, ReasoningStream] = {}
 
     def opening(self, index):
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -71,9 +76,20 @@ class ChatChoices(Choices):
 
     def choice(self, index, text, logprobs, finish_reason, stop_reason, streaming):
         shaped = _chat_logprobs(logprobs, self.top_logprobs) if logprobs else None
+        reasoning = None
+        if self.reasoning_parser is not None:  # the reasoning apart; the rest is read as the answer
+            split = self.reasoning_streams.setdefault(index, ReasoningStream(self.reasoning_parser)) if streaming \
+                else ReasoningStream(self.reasoning_parser)
+            reasoning, text = split.feed(text, final=finish_reason is not None or not streaming)
         if self.tool_choice is None:
-            body = ({"delta": {"content": text} if text or finish_reason is None else {}} if streaming
-                    else {"message": {"role": "assistant", "content": text}})
+            if streaming:
+                delta = {"reasoning_content": reasoning} if reasoning else {}
+                if text or (finish_reason is None and not reasoning):
+                    delta["content"] = text
+                body = {"delta": delta}
+            else:
+                body = {"message": {"role": "assistant", **self._reasoning_field(reasoning),
+                                    "content": text or None if self.reasoning_parser else text}}
             return {"index": index, **body, "logprobs": shaped, "finish_reason": finish_reason,
                     "stop_reason": stop_reason}
         stream = self.tool_streams.setdefault(index, ToolStream(self.tool_choice)) if streaming else ToolStream(
@@ -83,11 +99,12 @@ class ChatChoices(Choices):
             finish_reason = stream.finish_reason or finish_reason
         if not streaming:
             content, calls = merge(deltas)
-            return {"index": index, "message": {"role": "assistant", "content": content, "tool_calls": calls},
+            return {"index": index, "message": {"role": "assistant", **self._reasoning_field(reasoning),
+                                                "content": content, "tool_calls": calls},
                     "logprobs": shaped, "finish_reason": finish_reason, "stop_reason": stop_reason}
-        if not (deltas or shaped or finish_reason):
+        if not (deltas or reasoning or shaped or finish_reason):
             return None
-        delta = {}
+        delta = {"reasoning_content": reasoning} if reasoning else {}
         for piece in deltas:  # one chunk's deltas as one: its content joined, its tool-call pieces in order
             if "content" in piece:
                 delta["content"] = delta.get("content", "") + piece["content"]
@@ -96,6 +113,10 @@ class ChatChoices(Choices):
             delta.pop("tool_calls", None)
         return {"index": index, "delta": delta, "logprobs": shaped, "finish_reason": finish_reason,
                 "stop_reason": stop_reason}
+
+    def _reasoning_field(self, reasoning: str | None) -> dict:
+        """A whole message's reasoning_content (with a reasoning parser; null when the output had none)."""
+        return {"reasoning_content": reasoning or None} if self.reasoning_parser else {}
 
 
 def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:

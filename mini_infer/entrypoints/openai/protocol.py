@@ -24,6 +24,19 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
 
 
 MAX_BATCH_PROMPTS = 256  # prompts one /v1/completions request may list
+# apply_chat_template's own arguments, which chat_template_kwargs may not set.
+_TEMPLATE_ARGUMENTS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                       "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                       "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A request's chat_template_kwargs (variables for the chat template, e.g. {"enable_thinking": false})."""
+    taken = sorted(set(kwargs or ()) & _TEMPLATE_ARGUMENTS)
+    if taken:
+        raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(taken)} (the request's own fields "
+                                  "do)", "chat_template_kwargs")
+    return kwargs
 
 
 class StreamOptions(BaseModel):
@@ -208,6 +221,7 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True  # vLLM's extra field
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables for the chat template
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None  # none, auto, required or {"type": "function", ...}
     parallel_tool_calls: bool = True
@@ -215,6 +229,7 @@ class ChatCompletionRequest(_SamplingRequest):
     @model_validator(mode="after")
     def _checks_of_chat(self):
         self.parsed_tool_choice  # noqa: B018 - tools and tool_choice refused here if malformed
+        check_template_kwargs(self.chat_template_kwargs)
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs set to true", "top_logprobs")
         return self
@@ -269,6 +284,7 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True  # messages only
+    chat_template_kwargs: dict[str, Any] | None = None  # messages only
     add_special_tokens: bool | None = None  # None: True for a prompt, False for messages (the template has them)
     return_token_strs: bool = False
 
@@ -276,6 +292,7 @@ class TokenizeRequest(BaseModel):
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise InvalidRequestError("give exactly one of prompt and messages", "prompt")
+        check_template_kwargs(self.chat_template_kwargs)
         if self.prompt is not None:
             check_text(self.prompt, "prompt")
         return self
