@@ -32,6 +32,7 @@ from mini_infer.entrypoints.openai.protocol import (ChatCompletionRequest, Compl
                                                     TokenizeRequest)
 from mini_infer.entrypoints.openai.reasoning import REASONING_PARSERS, check_reasoning_parser
 from mini_infer.entrypoints.openai.shutdown import Drain, DrainMiddleware
+from mini_infer.entrypoints.openai.tools import TOOL_CALL_PARSERS, check_tool_call_parser
 from mini_infer.errors import InvalidRequestError
 from mini_infer.outputs import CompletionOutput, RequestOutput
 
@@ -65,12 +66,12 @@ def _check_api_key(api_key: str | None) -> str | None:
 
 def build_app(engine: AsyncLLMEngine, served_model_name: str, *, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, reasoning_parser: str | None = None,
-              chat_template: str | None = None) -> FastAPI:
+              chat_template: str | None = None, tool_call_parser: str = "hermes") -> FastAPI:
     """reasoning_parser: how chat answers split their reasoning off (reasoning.py); chat_template: a Jinja chat
-    template used instead of the tokenizer's."""
+    template used instead of the tokenizer's; tool_call_parser: the format of the model's tool calls (tools.py)."""
     app = FastAPI(title="mini-infer", docs_url=None, redoc_url=None, openapi_url=None)
     server = _Server(engine, served_model_name, _check_api_key(api_key), max_body_bytes,
-                     check_reasoning_parser(reasoning_parser), chat_template)
+                     check_reasoning_parser(reasoning_parser), chat_template, check_tool_call_parser(tool_call_parser))
 
     @app.exception_handler(APIError)
     async def _api_error(_request, error: APIError):
@@ -130,13 +131,14 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, *, api_key: str | 
 
 class _Server:
     def __init__(self, engine: AsyncLLMEngine, model_name: str, api_key: str | None, max_body_bytes: int,
-                 reasoning_parser: str | None, chat_template: str | None) -> None:
+                 reasoning_parser: str | None, chat_template: str | None, tool_call_parser: str) -> None:
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.reasoning_parser = reasoning_parser
         self.chat_template = chat_template
+        self.tool_call_parser = tool_call_parser
         self.created = int(time.time())
 
     # ---- request plumbing ----
@@ -208,7 +210,8 @@ class _Server:
         params = self._sampling_params(req, req.requested_max_tokens, req.requested_logprobs)
         tool_choice = req.parsed_tool_choice
         return await self._generate(request, req, [prompt], params, [ChatChoices(
-            req.top_logprobs or 0, tool_choice if tool_choice.mode != "none" else None, self.reasoning_parser)])
+            req.top_logprobs or 0, tool_choice if tool_choice.mode != "none" else None, self.reasoning_parser,
+            self.tool_call_parser)])
 
     def _render_chat(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,
                      template_kwargs: dict | None = None) -> str:
@@ -530,6 +533,9 @@ def add_serve_args(parser):
     parser.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                         help="split a reasoning model's <think> text off its answer: reasoning_content in chat "
                              "completions, a reasoning item in /v1/responses (README: Reasoning models)")
+    parser.add_argument("--tool-call-parser", default="hermes", choices=TOOL_CALL_PARSERS,
+                        help="the format of the model's tool calls that tool_choice auto reads: hermes "
+                             "(<tool_call> blocks, Qwen2.5) or llama3_json (Llama 3.x's JSON calls)")
     parser.add_argument("--chat-template", default=None, metavar="PATH",
                         help="a Jinja chat template file (or the template itself) to use instead of the "
                              "tokenizer's")
@@ -564,7 +570,8 @@ def run_server(args) -> int:
     gc.collect()
     gc.freeze()
     app = build_app(engine, name, api_key=api_key, max_body_bytes=args.max_body_bytes,
-                    reasoning_parser=args.reasoning_parser, chat_template=chat_template)
+                    reasoning_parser=args.reasoning_parser, chat_template=chat_template,
+                    tool_call_parser=args.tool_call_parser)
     logging.getLogger("mini_infer").info("serving %s (%s) on http://%s:%d/v1", name, model_dir, args.host, args.port)
     try:
         serve(app, engine, host=args.host, port=args.port, log_level=args.log_level,

@@ -61,11 +61,13 @@ class ChatChoices(Choices):
     id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
     def __init__(self, top_logprobs: int, tool_choice: ToolChoice | None = None,
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None, tool_call_parser: str = "hermes") -> None:
         """tool_choice: how to read tool calls out of the text (None: the text is the content); reasoning_parser:
-        how to split the reasoning off first (reasoning.py; None: there is none)."""
+        how to split the reasoning off first (reasoning.py; None: there is none); tool_call_parser: the format of
+        the calls tool_choice auto reads (tools.py)."""
         self.top_logprobs = top_logprobs
         self.tool_choice = tool_choice
+        self.tool_call_parser = tool_call_parser
         self.tool_streams: dict[int, ToolStream] = {}  # a streamed choice's parser, by index
         self.reasoning_parser = reasoning_parser
         self.reasoning_streams: dict[int, ReasoningStream] = {}
@@ -92,8 +94,9 @@ class ChatChoices(Choices):
                                     "content": text or None if self.reasoning_parser else text}}
             return {"index": index, **body, "logprobs": shaped, "finish_reason": finish_reason,
                     "stop_reason": stop_reason}
-        stream = self.tool_streams.setdefault(index, ToolStream(self.tool_choice)) if streaming else ToolStream(
-            self.tool_choice)
+        stream = ToolStream(self.tool_choice, self.tool_call_parser)
+        if streaming:
+            stream = self.tool_streams.setdefault(index, stream)
         deltas = stream.feed(text, final=finish_reason is not None or not streaming)
         if finish_reason is not None:
             finish_reason = stream.finish_reason or finish_reason

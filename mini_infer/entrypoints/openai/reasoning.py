@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mini_infer.entrypoints.openai.tools import partial_suffix
+
 THINK_START, THINK_END = "<think>", "</think>"
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
@@ -47,7 +49,7 @@ class ReasoningStream:
         if self.state == "reasoning":
             end = self.pending.find(THINK_END)
             if end < 0:
-                hold = 0 if final else _partial_suffix(self.pending, THINK_END)
+                hold = 0 if final else partial_suffix(self.pending, THINK_END)
                 reasoning, self.pending = self.pending[: len(self.pending) - hold], self.pending[
                     len(self.pending) - hold:]
                 return reasoning, ""
@@ -56,10 +58,3 @@ class ReasoningStream:
         content, self.pending = self.pending, ""
         return reasoning, content
 
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """How many characters at the end of `text` could begin `tag`."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-size:]):
-            return size
-    return 0
