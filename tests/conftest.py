@@ -16,11 +16,15 @@ from mini_infer.paths import cache_dir
 
 # What mini-infer builds or writes once (compiled kernels, autotune tables, the tokenizer, the default model) goes to
 # a cache of this test run's own, so that no result depends on what a developer's cache holds; the peers' set-ups
-# (llama.cpp, vLLM's CPU build: minutes each, built outside the project's code) are lent from the user's cache.
+# (llama.cpp, vLLM's CPU build: minutes each) and the real clients' installs (the Codex CLI, the Agents SDK), all
+# outside the project's code, are lent from the user's cache (the clients' are kept there for the next run).
 _USER_PEERS = cache_dir() / "peers"
+_USER_CLIENTS = cache_dir() / "clients"
 TEST_CACHE = Path(tempfile.mkdtemp(prefix="mini-infer-test-cache-"))
 if _USER_PEERS.is_dir():
     (TEST_CACHE / "peers").symlink_to(_USER_PEERS)
+_USER_CLIENTS.mkdir(parents=True, exist_ok=True)
+(TEST_CACHE / "clients").symlink_to(_USER_CLIENTS)
 os.environ["MINI_INFER_CACHE"] = str(TEST_CACHE)
 
 

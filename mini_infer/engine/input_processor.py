@@ -40,7 +40,8 @@ class ProcessedRequest:
     grammar: xgr.CompiledGrammar | None = None
 
 _GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+                           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
+                           "min_new_tokens": "min_tokens"}
 
 
 class InputProcessor:

@@ -296,9 +296,6 @@ def make_model(
         weights = random_weights(config, seed, DTYPES[dtype])
         save_file(weights, staging / "model.safetensors", metadata={"format": "pt"})
         (staging / "model.safetensors").chmod(0o644)  # safetensors creates it owner-only
-        for name, content in EXTRA_FILES.get(preset, {}).items():
-            (staging / name).parent.mkdir(parents=True, exist_ok=True)
-            _write_json(staging / name, content)
         del weights  # ~1 GB for the 0.5B preset; free it before the tokenizer copy
         if tokenizer_files:
             for path in tokenizer_files:

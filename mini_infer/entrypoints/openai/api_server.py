@@ -1,8 +1,9 @@
 """`mini-infer serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one AsyncLLMEngine.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (SSE streaming with `stream: true`; `n` choices),
-GET /v1/models and /v1/models/{id}, POST /tokenize and POST /detokenize (vLLM's), GET /health, GET /metrics
-(Prometheus text). Errors come back in OpenAI's shape, {"error": {"message", "type", "param", "code"}}.
+POST /v1/responses with GET and DELETE /v1/responses/{id} (the Responses API: responses.py), GET /v1/models and
+/v1/models/{id}, POST /tokenize and POST /detokenize (vLLM's), GET /health, GET /metrics (Prometheus text). Errors
+come back in OpenAI's shape, {"error": {"message", "type", "param", "code"}}.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from mini_infer.entrypoints.openai.choices import ChatChoices, Choices, Completi
 from mini_infer.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                     TokenizeRequest)
 from mini_infer.entrypoints.openai.reasoning import REASONING_PARSERS, check_reasoning_parser
+from mini_infer.entrypoints.openai.responses import (ResponseOutput, ResponsesRequest, ResponseStore, input_messages,
+                                                     response_body, responses_error, usage_of)
 from mini_infer.entrypoints.openai.shutdown import Drain, DrainMiddleware
 from mini_infer.entrypoints.openai.tools import TOOL_CALL_PARSERS, check_tool_call_parser
 from mini_infer.errors import InvalidRequestError
@@ -117,8 +120,21 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, *, api_key: str | 
             return await server.handle(request, body, run)
         return handle
 
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(request: Request, response_id: str):
+        server.authorize(request)
+        return server.stored_response(response_id)[0]
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(request: Request, response_id: str):
+        server.authorize(request)
+        server.stored_response(response_id)
+        server.responses.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
     for path, body, run in (("/v1/completions", CompletionRequest, server.completion),
                             ("/v1/chat/completions", ChatCompletionRequest, server.chat_completion),
+                            ("/v1/responses", ResponsesRequest, server.create_response),
                             ("/tokenize", TokenizeRequest, server.tokenize),
                             ("/detokenize", DetokenizeRequest, server.detokenize)):
         app.post(path)(endpoint(body, run))
@@ -140,6 +156,7 @@ class _Server:
         self.chat_template = chat_template
         self.tool_call_parser = tool_call_parser
         self.created = int(time.time())
+        self.responses = ResponseStore()  # /v1/responses with store: the newest, in memory
 
     # ---- request plumbing ----
 
@@ -219,18 +236,87 @@ class _Server:
         tools where it leaves them out); template_kwargs: the request's chat_template_kwargs."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None or not (self.chat_template or getattr(tokenizer, "chat_template", None)):
-            raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
+            raise InvalidRequestError("this model has no chat template; use /v1/completions", "messages")
         options = dict(tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=self.chat_template,
                        **(template_kwargs or {}))
         try:
             text = tokenizer.apply_chat_template(messages, tools=tools, **options)
             without_tools = None if not tools else tokenizer.apply_chat_template(messages, **options)
         except Exception as e:  # noqa: BLE001 - the template's own error, reported to the caller
-            raise APIError(400, f"the chat template could not render these messages: {e}", "messages") from None
+            raise InvalidRequestError(f"the chat template could not render these messages: {e}", "messages") from None
         if text == without_tools:
-            raise APIError(400, "this model's chat template does not render tools, so the model would not see them",
-                           "tools")
+            raise InvalidRequestError("this model's chat template does not render tools, so the model would not see "
+                                      "them", "tools")
         return text
+
+    # ---- the Responses API ----
+
+    async def create_response(self, request: Request, req: ResponsesRequest):
+        history = self.stored_response(req.previous_response_id, "previous_response_id")[1] \
+            if req.previous_response_id is not None else []
+        response_id, created_at = f"resp_{uuid.uuid4().hex}", int(time.time())
+        try:
+            conversation = [*history, *input_messages(req.input)]
+            chat = req.chat_request(conversation)
+            prompt = self._render_chat([m.for_template() for m in chat.messages], True, chat.tools,
+                                       chat.chat_template_kwargs)
+            params = self._sampling_params(chat, chat.requested_max_tokens, None)
+            outputs = self.engine.generate(response_id, prompt, params)
+            try:
+                first = await _unless_disconnected(request, self._first_output(outputs))
+            except BaseException:
+                await outputs.aclose()
+                raise
+        except InvalidRequestError as e:
+            raise responses_error(e) from None
+        if first is None:
+            return Response(status_code=499)
+        tool_choice = chat.parsed_tool_choice
+        output = ResponseOutput(self.reasoning_parser, tool_choice if tool_choice.mode != "none" else None,
+                                self.tool_call_parser)
+
+        def body(status: str, cached: int = 0) -> dict:
+            config = self.engine.config
+            block = config.block_size if config.enable_prefix_caching else None
+            usage = None if status == "in_progress" else usage_of(output, len(first.prompt_token_ids), cached, block)
+            return response_body(response_id, req, self.model_name, created_at, status=status, output=output.items,
+                                 params=params, usage=usage)
+
+        async def run() -> AsyncIterator[dict]:
+            """The stream's events, the response's status set and stored once it ends."""
+            yield {"type": "response.created", "response": body("in_progress")}
+            yield {"type": "response.in_progress", "response": body("in_progress")}
+            cached, finish_reason = 0, None
+            async for step in _chain(first, outputs):
+                completion, cached = step.outputs[0], step.num_cached_tokens
+                finish_reason = completion.finish_reason
+                for event in output.feed(completion.text, len(completion.token_ids), finish_reason is not None,
+                                         cut=finish_reason == "length"):
+                    yield event
+            whole = body("incomplete" if finish_reason == "length" else "completed", cached)
+            if req.store:
+                self.responses.put(whole, [*conversation, *output.conversation()])
+            # response.completed even when the output was cut (its status says incomplete), as vLLM ends a stream:
+            # the openai client's stream helper and the Codex CLI take no other last event.
+            yield {"type": "response.completed", "response": whole}
+
+        if req.stream:
+            return _SSEResponse(_response_events(run()))
+
+        async def collect() -> dict:
+            async for event in run():
+                last = event
+            return last["response"]
+
+        whole = await _unless_disconnected(request, collect())
+        return Response(status_code=499) if whole is None else whole
+
+    def stored_response(self, response_id: str, field: str = "response_id") -> tuple[dict, list[dict]]:
+        stored = self.responses.get(response_id)
+        if stored is None:
+            raise APIError(404, f"no stored response has the id {response_id!a} (responses are kept in memory, the "
+                                f"newest {self.responses.capacity})", field)
+        return stored
 
     # ---- vLLM's tokenizer endpoints ----
 
@@ -338,6 +424,25 @@ async def _events(outputs: AsyncIterator[tuple[int, RequestOutput]], firsts: lis
     if usage_mode:
         yield _sse({**chunk, "choices": [], "usage": usage_body(prompt_tokens, num_tokens, sum(cached))})
     yield "data: [DONE]\n\n"
+
+
+async def _response_events(events: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """The Responses API's SSE: each event named and numbered in sequence; if the engine dies mid-stream, the last
+    one is an error event."""
+    number = 0
+    async with contextlib.aclosing(events):
+        try:
+            async for event in events:
+                yield _named_sse(event, number)
+                number += 1
+        except EngineDeadError as e:
+            error = _engine_error(e)
+            yield _named_sse({"type": "error", "code": str(error.status), "message": error.message, "param": None},
+                             number)
+
+
+def _named_sse(event: dict, number: int) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps({**event, 'sequence_number': number}, ensure_ascii=False)}\n\n"
 
 
 class _SSEResponse(StreamingResponse):

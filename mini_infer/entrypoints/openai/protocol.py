@@ -67,7 +67,7 @@ class _SamplingRequest(BaseModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int | None = None  # None: the model's (generation_config.json's min_new_tokens, else 0)
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -137,11 +137,11 @@ class _SamplingRequest(BaseModel):
 
     def sampling_params(self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The request's SamplingParams: fields it sets over the model's defaults (InvalidRequestError if bad)."""
-        chosen = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p",
+        chosen = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p", "min_tokens",
                                                           "repetition_penalty", "presence_penalty",
                                                           "frequency_penalty") if getattr(self, name) is not None}
         return replace(defaults, **chosen, n=self.n, best_of=self.best_of, seed=self.seed, max_tokens=max_tokens,
-                       min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop=self.stop,
+                       ignore_eos=self.ignore_eos, stop=self.stop,
                        stop_token_ids=self.stop_token_ids, logprobs=logprobs,
                        include_stop_str_in_output=self.include_stop_str_in_output,
                        skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(),
