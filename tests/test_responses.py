@@ -13,7 +13,7 @@ import pytest
 from mini_infer.entrypoints.openai.reasoning import ReasoningStream
 from mini_infer.entrypoints.openai.responses import ResponseOutput, input_messages
 from mini_infer.entrypoints.openai.tools import ToolChoice
-from tests.test_server import MODEL_NAME, post, start
+from tests.test_server import MODEL_NAME, post, start, wait_for
 
 KEY = "sk-responses"
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
@@ -197,3 +197,21 @@ def test_output_items_in_the_order_written_and_the_events_build_them(parser, too
     if tools:
         assert json.loads(output.items[-1]["arguments"]) == {"city": "Rome"}
     assert all(item["status"] == "completed" for item in output.items)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_gone_mid_response_frees_its_blocks(served, stream):
+    engine, server = served
+    body = {"input": "tell me a long story", "max_output_tokens": 3000, "stream": stream}
+    with httpx.Client(timeout=60) as http:
+        if stream:
+            with http.stream("POST", server.url + "/v1/responses", json=body, headers=_headers()) as response:
+                lines = response.iter_lines()
+                assert next(lines) == "event: response.created"
+                wait_for(lambda: engine.engine.kv_cache_usage() > 0)
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                http.post(server.url + "/v1/responses", json=body, headers=_headers(), timeout=1.0)
+    wait_for(lambda: engine.engine.kv_cache_usage() == 0 and not engine.engine.has_unfinished_requests())
+    assert post(server, "/v1/responses", {"input": "still there?", "max_output_tokens": 2},
+                _headers()).status_code == 200
