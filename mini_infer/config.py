@@ -25,6 +25,18 @@ _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp3
 # rope_scaling): Qwen2 (Qwen2.5) with its QKV bias; Qwen3 (dense) without, with an RMSNorm on each head of q and k;
 # Llama (3, 3.1, 3.2) without either, its head tied or not, RoPE plain or "llama3".
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
+# The same decoders saved as base models, without an LM head (their tensors may lack the "model." prefix, as a
+# sentence-transformers checkpoint's do): embedding models, task embed.
+BASE_MODEL_ARCHITECTURES = {"Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM",
+                            "LlamaModel": "LlamaForCausalLM"}
+# Qwen3-Reranker as vLLM loads it (hf_overrides {"architectures": [this], "classifier_from_token": ["no", "yes"],
+# "is_original_qwen3_reranker": true}, or the same keys in config.json): a Qwen3ForCausalLM checkpoint whose score is
+# sigmoid(logit(yes) - logit(no)) at a prompt's last token, task score.
+RERANKER_ARCHITECTURE = "Qwen3ForSequenceClassification"
+# What an engine computes: text (generate), embeddings (embed) or a reranker's scores (score); auto: detected from the
+# checkpoint as vLLM detects a pooling model (resolve_task; docs/decisions/019-pooling.md).
+TASKS = ("auto", "generate", "embed", "score")
+POOLING_TYPES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean"}  # sentence-transformers' modes
 
 
 CHECKPOINT_QUANTIZATION = ("gptq", "awq")  # pre-quantised checkpoints' methods (mini_infer.model.prequantized)
@@ -151,34 +163,46 @@ class ModelConfig:
     attention_bias: bool = True  # q/k/v projections with a bias: Qwen2's (Qwen3 and Llama have none)
     qk_norm: bool = False  # an RMSNorm over each head of q and of k before RoPE (Qwen3)
     rope_scaling: Llama3RopeScaling | None = None
+    classifier_from_token: tuple[str, ...] | None = None  # a reranker's (no, yes) tokens (RERANKER_ARCHITECTURE)
+    # Embeddings that may be cut short (PoolingParams.dimensions): any length (is_matryoshka) or these lengths.
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+    def from_dir(cls, model_dir: str | Path, overrides: dict | None = None) -> ModelConfig:
+        """config.json, with `overrides` (vLLM's hf_overrides) laid over its top-level keys."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"model config not found: {path}")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from e
-        return cls.from_dict(raw, source=str(path))
+        raw = _read_json(path)
+        if overrides is not None:
+            if not isinstance(overrides, dict):
+                raise ValueError(f"hf_overrides must be a JSON object (a dict), got {overrides!r}")
+            raw = {**raw, **overrides}
+        return cls.from_dict(raw, source=str(path) + (" with hf_overrides" if overrides else ""))
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> ModelConfig:
         archs = raw.get("architectures") or []
-        architecture = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        known = (*SUPPORTED_ARCHITECTURES, *BASE_MODEL_ARCHITECTURES, RERANKER_ARCHITECTURE)
+        architecture = next((a for a in archs if a in known), None)
         if architecture is None:
             raise ValueError(
                 f"{source}: architectures {archs!r} (model_type {raw.get('model_type')!r}) is not supported; "
-                f"mini-infer runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"mini-infer runs {', '.join(SUPPORTED_ARCHITECTURES)} (embeddings: "
+                f"{', '.join(BASE_MODEL_ARCHITECTURES)} or any of those with sentence-transformers pooling; rerank: "
+                f"{RERANKER_ARCHITECTURE} in the Qwen3-Reranker form)"
             )
+        # The decoder the checkpoint holds, whatever head it is saved with.
+        family = ("Qwen3ForCausalLM" if architecture == RERANKER_ARCHITECTURE
+                  else BASE_MODEL_ARCHITECTURES.get(architecture, architecture))
         _reject_unsupported_attention(raw, source)
         if raw.get("mlp_bias"):
             raise ValueError(f"{source}: mlp_bias true (biases on the MLP projections) is not supported")
-        if architecture != "Qwen2ForCausalLM" and raw.get("attention_bias"):
+        if family != "Qwen2ForCausalLM" and raw.get("attention_bias"):
             raise ValueError(f"{source}: attention_bias true ({architecture}'s biases on q/k/v and o_proj) is not "
                              "supported")
-        attention_bias = architecture == "Qwen2ForCausalLM"
+        attention_bias = family == "Qwen2ForCausalLM"
         quantized = raw.get("quantization_config")
         quantization = CheckpointQuantization.from_dict(quantized, source) if quantized else None
 
@@ -214,8 +238,50 @@ class ModelConfig:
             quantization=quantization,
             architecture=architecture,
             attention_bias=attention_bias,
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=family == "Qwen3ForCausalLM",
+            classifier_from_token=_reranker_tokens(raw, architecture, source),
+            is_matryoshka=_flag(raw, "is_matryoshka", source),
+            matryoshka_dimensions=_matryoshka_dimensions(raw, hidden, source),
         )
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+
+
+def _flag(raw: dict, key: str, source: str) -> bool:
+    value = raw.get(key, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"{source}: {key} must be true or false, got {value!r}")
+    return value
+
+
+def _reranker_tokens(raw: dict, architecture: str, source: str) -> tuple[str, ...] | None:
+    """The (no, yes) tokens of a Qwen3-Reranker (RERANKER_ARCHITECTURE); None for other architectures."""
+    if architecture != RERANKER_ARCHITECTURE:
+        return None
+    tokens = raw.get("classifier_from_token")
+    if not (_flag(raw, "is_original_qwen3_reranker", source) and isinstance(tokens, list) and len(tokens) == 2
+            and all(isinstance(t, str) and t for t in tokens)):
+        raise ValueError(f"{source}: {architecture} runs in the Qwen3-Reranker form only (vLLM's hf_overrides): "
+                         "is_original_qwen3_reranker true and classifier_from_token the two tokens [no, yes] whose "
+                         f"LM-head logits score a pair; got is_original_qwen3_reranker "
+                         f"{raw.get('is_original_qwen3_reranker')!r}, classifier_from_token {tokens!r}")
+    return tuple(tokens)
+
+
+def _matryoshka_dimensions(raw: dict, hidden: int, source: str) -> tuple[int, ...] | None:
+    dims = raw.get("matryoshka_dimensions")
+    if dims is None:
+        return None
+    if not (isinstance(dims, list) and dims and all(isinstance(d, int) and not isinstance(d, bool) and 1 <= d <= hidden
+                                                    for d in dims)):
+        raise ValueError(f"{source}: matryoshka_dimensions must be a non-empty list of integers in [1, {hidden}] "
+                         f"(hidden_size), got {dims!r}")
+    return tuple(dims)
 
 
 _ROPE_TYPES = ("default", "llama3")
@@ -254,6 +320,96 @@ def _reject_unsupported_attention(raw: dict, source: str) -> None:
     layer_types = raw.get("layer_types") or []
     if raw.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
         raise ValueError(f"{source}: sliding-window attention layers are not supported")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolerConfig:
+    """How a pooling model (task embed or score) turns a prompt into its one output, from the final norm's hidden
+    states: pooled at the last token (`pooling_type` "last") or averaged over every prompt token ("mean"); an
+    embedding L2-normalised unless the request says otherwise (`normalize`: the model's default); a reranker's score
+    sigmoid(logit(yes) - logit(no)) at the last token (`classifier_token_ids`: the (no, yes) ids)."""
+
+    pooling_type: str = "last"
+    normalize: bool = True
+    classifier_token_ids: tuple[int, int] | None = None
+
+
+def resolve_task(task: str, mc: ModelConfig, model_dir: Path) -> tuple[str, PoolerConfig | None]:
+    """The engine's task and, for a pooling one, its pooler. `auto` takes embed for a base model (BASE_MODEL_
+    ARCHITECTURES) or a checkpoint with a sentence-transformers Pooling module (modules.json, as vLLM detects a pooling
+    model), score for a Qwen3-Reranker (RERANKER_ARCHITECTURE), else generate; a task the checkpoint cannot serve is
+    refused."""
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+    arch, reranker = mc.architecture, mc.architecture == RERANKER_ARCHITECTURE
+    sentence_pooling = _sentence_transformers_pooling(model_dir)
+    if task == "auto":
+        task = "score" if reranker else "embed" if arch in BASE_MODEL_ARCHITECTURES or sentence_pooling else "generate"
+    if task == "generate" and arch not in SUPPORTED_ARCHITECTURES:
+        kind = "a reranker (task score)" if reranker else "a base model without an LM head (task embed)"
+        raise ValueError(f"task generate needs a causal LM ({', '.join(SUPPORTED_ARCHITECTURES)}); {model_dir} is "
+                         f"{arch}, {kind}")
+    if task == "embed" and reranker:
+        raise ValueError(f"{model_dir} is a reranker ({arch}): it serves task score, not embed")
+    if task == "score" and not reranker:
+        raise ValueError(f"task score needs a Qwen3-Reranker: config.json (or hf_overrides) with architectures "
+                         f"[{RERANKER_ARCHITECTURE!r}], classifier_from_token ['no', 'yes'] and "
+                         f"is_original_qwen3_reranker true; {model_dir} is {arch} (an embedding model scores pairs by "
+                         "the cosine similarity of their embeddings under task embed)")
+    if task == "generate":
+        return task, None
+    if task == "score":
+        return task, PoolerConfig(classifier_token_ids=_token_ids(model_dir, mc.classifier_from_token, mc.vocab_size))
+    pooling_type, normalize = sentence_pooling or ("last", True)
+    return task, PoolerConfig(pooling_type, normalize)
+
+
+def _sentence_transformers_pooling(model_dir: Path) -> tuple[str, bool] | None:
+    """(pooling type, normalize) from a sentence-transformers checkpoint's modules.json and its Pooling module's
+    config.json; None without a Pooling module. Modules mini-infer does not apply (a Dense projection, ...) are
+    refused rather than skipped."""
+    path = model_dir / "modules.json"
+    if not path.is_file():
+        return None
+    modules = _read_json(path)
+    if not isinstance(modules, list) or not all(isinstance(m, dict) and isinstance(m.get("type"), str)
+                                                for m in modules):
+        raise ValueError(f"{path}: expected a list of modules, each with a 'type'")
+    kinds = {m["type"].rpartition(".")[2]: m for m in modules}
+    if "Pooling" not in kinds:
+        return None
+    unknown = sorted(set(kinds) - {"Transformer", "Pooling", "Normalize"})
+    if unknown:
+        raise ValueError(f"{path}: sentence-transformers module {unknown[0]!r} is not supported (mini-infer applies "
+                         "Transformer, Pooling and Normalize)")
+    pooling_path = model_dir / str(kinds["Pooling"].get("path", "")) / "config.json"
+    if not pooling_path.is_file():
+        raise FileNotFoundError(f"{path} names a Pooling module whose config is missing: {pooling_path}")
+    pooling = _read_json(pooling_path)
+    modes = [key for key, value in pooling.items() if key.startswith("pooling_mode_") and value is True]
+    if len(modes) != 1 or modes[0] not in POOLING_TYPES:
+        raise ValueError(f"{pooling_path}: pooling modes {modes} are not supported; mini-infer pools with exactly one "
+                         f"of {', '.join(POOLING_TYPES)}")
+    if pooling.get("include_prompt", True) is not True:
+        raise ValueError(f"{pooling_path}: include_prompt false (an instruction left out of the mean) is not supported")
+    return POOLING_TYPES[modes[0]], "Normalize" in kinds
+
+
+def _token_ids(model_dir: Path, tokens: tuple[str, ...], vocab_size: int) -> tuple[int, ...]:
+    """The ids of a reranker's classifier tokens in the model's tokenizer.json."""
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(f"classifier_from_token {list(tokens)} needs the model's tokenizer.json (their ids); "
+                         f"{model_dir} has none")
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(path))
+    ids = tuple(tokenizer.token_to_id(token) for token in tokens)
+    for token, token_id in zip(tokens, ids):
+        if token_id is None or token_id >= vocab_size:
+            raise ValueError(f"classifier_from_token {token!r} is not one token of {path} within vocab_size "
+                             f"{vocab_size}")
+    return ids
 
 
 def resolve_dtype(dtype: str | torch.dtype, model_config: ModelConfig) -> torch.dtype:
@@ -325,14 +481,18 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    task: str = "auto"  # TASKS; resolved here to generate, embed or score
+    hf_overrides: dict | None = None  # keys laid over config.json's (vLLM's name)
     model_config: ModelConfig = field(init=False)
     torch_dtype: torch.dtype = field(init=False)
+    pooler: PoolerConfig | None = field(init=False)  # task embed or score: how a prompt's output is pooled
 
     def __post_init__(self) -> None:
         model_dir = Path(self.model)
         if not model_dir.is_dir():
             raise FileNotFoundError(f"model directory not found: {model_dir}")
-        self.model_config = ModelConfig.from_dir(model_dir)
+        self.model_config = ModelConfig.from_dir(model_dir, self.hf_overrides)
+        self.task, self.pooler = resolve_task(self.task, self.model_config, model_dir)
         _positive("block_size", self.block_size)
         _positive("max_num_seqs", self.max_num_seqs)
         if self.num_kv_blocks is not None:
@@ -384,6 +544,9 @@ class EngineConfig:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             _positive(name, getattr(self, name))
         _check_parallel_split(self.model_config, self.tensor_parallel_size, self.pipeline_parallel_size)
+        if self.pooler is not None and self.pipeline_parallel_size != 1:
+            raise ValueError(f"task {self.task} runs in one pipeline stage (its pooling reads the last stage's hidden "
+                             f"states on rank 0), got pipeline_parallel_size {self.pipeline_parallel_size}")
 
     def _check_gpu_kernels(self) -> None:
         if self.gpu_kernels not in GPU_KERNEL_MODES:

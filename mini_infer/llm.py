@@ -1,4 +1,5 @@
-"""LLM: the offline batch API (vLLM's `LLM.generate` / `LLM.chat`) on top of LLMEngine."""
+"""LLM: the offline batch API (vLLM's `LLM.generate` / `LLM.chat`, and a pooling model's `LLM.embed` / `LLM.score`)
+on top of LLMEngine."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from tqdm.auto import tqdm
 from mini_infer.config import EngineConfig
 from mini_infer.engine.input_processor import PromptType
 from mini_infer.engine.data_parallel import create_engine
-from mini_infer.outputs import RequestOutput
+from mini_infer.engine.scoring import PairSide, cosine_similarities, distinct, pair_prompt, score_pairs
+from mini_infer.outputs import (EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput, ScoringOutput,
+                                ScoringRequestOutput)
+from mini_infer.pooling_params import PoolingParams
 from mini_infer.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -57,11 +61,41 @@ class LLM:
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _add_all(self, prompts, sampling_params) -> list[str]:
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """An embedding model's (task embed) embedding of every prompt, in input order: `outputs.embedding`."""
+        prompts = _as_prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_params = [pooling_params or PoolingParams()] * len(prompts)
+        if len(pooling_params) != len(prompts):
+            raise ValueError(f"got {len(pooling_params)} pooling_params for {len(prompts)} prompts")
+        return self._run(self._add_all(prompts, pooling_params), use_tqdm)
+
+    def score(self, text_1: PairSide, text_2: PairSide, pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """Scores of (text_1, text_2) pairs, as vLLM's: one text_1 against each text_2 (1:1, 1:N), or equally long
+        lists paired in order (N:N); texts or token ids. A reranker (task score) scores each pair's joined prompt;
+        an embedding model (task embed), the cosine similarity of the two embeddings."""
+        pairs = score_pairs(text_1, text_2)
+        if self.engine.config.task == "embed":
+            unique, index = distinct([item for pair in pairs for item in pair])
+            embedded = self.embed(unique, pooling_params, use_tqdm)
+            outputs = [embedded[i] for i in index]  # first, second, first, second, ...
+            scores = cosine_similarities([o.outputs.embedding for o in outputs[0::2]],
+                                         [o.outputs.embedding for o in outputs[1::2]])
+            return [ScoringRequestOutput(f"{a.request_id}+{b.request_id}", ScoringOutput(score),
+                                         a.prompt_token_ids + b.prompt_token_ids)
+                    for a, b, score in zip(outputs[0::2], outputs[1::2], scores)]
+        tokenizer = self.get_tokenizer()
+        prompts = [pair_prompt(tokenizer, a, b) for a, b in pairs]
+        return self._run(self._add_all(prompts, [pooling_params or PoolingParams()] * len(prompts)), use_tqdm)
+
+    def _add_all(self, prompts, params_list) -> list[str]:
         request_ids = []
         try:
-            for prompt, params in zip(prompts, sampling_params):
-                if params.output_kind is not RequestOutputKind.FINAL_ONLY:
+            for prompt, params in zip(prompts, params_list):
+                if isinstance(params, SamplingParams) and params.output_kind is not RequestOutputKind.FINAL_ONLY:
                     params = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
                 request_id = str(next(self._request_counter))
                 self.engine.add_request(request_id, prompt, params)
@@ -74,17 +108,18 @@ class LLM:
             raise
         return request_ids
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput | PoolingRequestOutput]:
         pending = set(request_ids)
-        finished: dict[str, RequestOutput] = {}
+        finished: dict[str, RequestOutput | PoolingRequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         num_output_tokens = 0
         for output in self.engine.run_until_done():
             if output.finished and output.request_id in pending:
                 pending.discard(output.request_id)
                 finished[output.request_id] = output
-                num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
-                bar.set_postfix_str(f"{num_output_tokens / max(bar.format_dict['elapsed'], 1e-9):.1f} out tok/s")
+                if isinstance(output, RequestOutput):
+                    num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                    bar.set_postfix_str(f"{num_output_tokens / max(bar.format_dict['elapsed'], 1e-9):.1f} out tok/s")
                 bar.update(1)
         bar.close()
         return [finished[rid] for rid in request_ids]

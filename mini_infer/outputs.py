@@ -1,4 +1,5 @@
-"""What the engine hands back: RequestOutput and CompletionOutput (vLLM's names), and Logprob."""
+"""What the engine hands back (vLLM's names): RequestOutput and CompletionOutput for generation, with Logprob; a
+pooling model's EmbeddingRequestOutput and ScoringRequestOutput."""
 
 from __future__ import annotations
 
@@ -41,3 +42,42 @@ class RequestOutput:
     # position, once the whole prompt is computed (in the first output that carries it, for DELTA).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens the prefix cache held when the request was first scheduled
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    score: float  # a reranker's relevance in (0, 1), or the cosine similarity of two embeddings
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """A pooling request's one output (vLLM's name): its embedding or score once its prompt is computed; `outputs`
+    None only for a request aborted before that."""
+
+    request_id: str
+    outputs: EmbeddingOutput | ScoringOutput | None
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """An embedding model's output: `outputs.embedding`."""
+
+    __slots__ = ()
+
+
+class ScoringRequestOutput(PoolingRequestOutput):
+    """A score: a reranker's for a (query, document) pair, or the cosine similarity of an embedding model's two
+    embeddings: `outputs.score`."""
+
+    __slots__ = ()

@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import MISSING, asdict, dataclass, fields
 
-from mini_infer.config import CHECKPOINT_QUANTIZATION, QUANTIZATION_METHODS, SERVE_TARGET_ITL_MS, EngineConfig
+from mini_infer.config import (CHECKPOINT_QUANTIZATION, QUANTIZATION_METHODS, SERVE_TARGET_ITL_MS, TASKS,
+                               EngineConfig)
 from mini_infer.engine.data_parallel import create_engine
 
 
@@ -25,10 +27,22 @@ def _int_or_off(text: str) -> int | None:
     return None if text == "off" else int(text)
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 @dataclass(slots=True)
 class EngineArgs:
     # the model and where it runs
     model: str | None = None  # None: the random-weight qwen2.5-0.5b preset, generated once into the cache
+    task: str = _default("task")
+    hf_overrides: dict | None = _default("hf_overrides")
     dtype: str = _default("dtype")
     device: str = _default("device")
     quantization: str | None = _default("quantization")
@@ -60,6 +74,15 @@ class EngineArgs:
         parser.add_argument("--model", default=None,
                             help="local HF-format model directory (default: the random-weight qwen2.5-0.5b preset, "
                                  "generated once into the cache)")
+        parser.add_argument("--task", default=_default("task"), choices=TASKS,
+                            help="generate (text), embed (embeddings) or score (a reranker's relevance); auto: embed "
+                                 "for a base model or sentence-transformers pooling, score for a Qwen3-Reranker, else "
+                                 "generate (README: Embeddings and rerank)")
+        parser.add_argument("--hf-overrides", type=_json_object, default=None, metavar="JSON",
+                            help="keys laid over config.json's, as vLLM's --hf-overrides (a Qwen3-Reranker: "
+                                 "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
+                                 "\"classifier_from_token\": [\"no\", \"yes\"], \"is_original_qwen3_reranker\": "
+                                 "true}')")
         parser.add_argument("--dtype", default=_default("dtype"), help="auto, bfloat16, float16, float32 or float64")
         parser.add_argument("--device", default=_default("device"))
         parser.add_argument("--seed", type=int, default=_default("seed"),

@@ -22,7 +22,8 @@ from mini_infer.config import EngineConfig
 from mini_infer.engine.input_processor import ProcessedRequest, PromptType
 from mini_infer.engine.llm_engine import LLMEngine
 from mini_infer.engine.metrics import EngineMetrics
-from mini_infer.outputs import RequestOutput
+from mini_infer.outputs import PoolingRequestOutput, RequestOutput
+from mini_infer.pooling_params import PoolingParams
 from mini_infer.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
 
-    def put(self, item: RequestOutput | BaseException) -> None:
+    def put(self, item: RequestOutput | PoolingRequestOutput | BaseException) -> None:
         self.call(self.queue.put_nowait, item)
 
     def call(self, callback, *args) -> None:
@@ -103,18 +104,26 @@ class AsyncLLMEngine:
             return False
         return True
 
-    async def generate(self, request_id: str, prompt: PromptType,
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    def generate(self, request_id: str, prompt: PromptType,
+                 params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Add the request and yield its outputs (DELTA: what is new each step) until it finishes.
 
         Raises the engine's InvalidRequestError if the request is refused, EngineDeadError if the engine fails.
         Leaving early (break, cancellation, aclose) aborts the request."""
+        return self._stream(request_id, prompt, replace(params, output_kind=RequestOutputKind.DELTA))
+
+    def encode(self, request_id: str, prompt: PromptType,
+               params: PoolingParams | None = None) -> AsyncIterator[PoolingRequestOutput]:
+        """A pooling model's request (task embed or score): yields its one output, its embedding or score, once its
+        prompt is computed; refusals, engine failure and leaving early as generate()."""
+        return self._stream(request_id, prompt, params if params is not None else PoolingParams())
+
+    async def _stream(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams):
         self._check_alive()
         loop = asyncio.get_running_loop()
         # Checked, tokenized and its grammar compiled here, on a worker thread (a refusal raises here): a long text or
         # a new grammar would otherwise hold every stream up on the engine's thread.
-        processed = await loop.run_in_executor(None, self._processor.process, prompt,
-                                               replace(params, output_kind=RequestOutputKind.DELTA))
+        processed = await loop.run_in_executor(None, self._processor.process, prompt, params)
         stream = _Stream(loop, asyncio.Queue())
         added = loop.create_future()
         self._commands.put(("add", request_id, processed, stream, added))
@@ -213,7 +222,7 @@ class AsyncLLMEngine:
         if self._metrics is not None:
             self._metrics.on_abort(request_id)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: list[RequestOutput | PoolingRequestOutput]) -> None:
         if self._metrics is not None:
             self._metrics.on_outputs(outputs, time.monotonic())
         for output in outputs:

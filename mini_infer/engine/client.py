@@ -8,14 +8,17 @@ from collections.abc import Iterable, Iterator
 
 from mini_infer.engine.input_processor import ProcessedRequest, PromptType
 from mini_infer.engine.scheduler import SchedulerStats
-from mini_infer.outputs import RequestOutput
+from mini_infer.outputs import PoolingRequestOutput, RequestOutput
+from mini_infer.pooling_params import PoolingParams
 from mini_infer.sampling_params import SamplingParams
 
 
 class EngineClient(ABC):
     @abstractmethod
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
-        """Queue a request (a ValueError naming the field refuses a bad one, leaving the rest served)."""
+    def add_request(self, request_id: str, prompt: PromptType,
+                    params: SamplingParams | PoolingParams | None = None) -> None:
+        """Queue a request (a ValueError naming the field refuses a bad one, leaving the rest served); PoolingParams
+        for a pooling model's (task embed or score)."""
 
     @abstractmethod
     def add_processed(self, request_id: str, processed: ProcessedRequest) -> None:
@@ -26,7 +29,7 @@ class EngineClient(ABC):
         """Abort unfinished requests; each is reported once with finish_reason "abort"."""
 
     @abstractmethod
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """Advance the engine; the outputs of the requests that moved."""
 
     @abstractmethod
@@ -58,7 +61,7 @@ class EngineClient(ABC):
     def kv_cache_usage(self) -> float:
         return self.stats().kv_cache_usage
 
-    def run_until_done(self) -> Iterator[RequestOutput]:
+    def run_until_done(self) -> Iterator[RequestOutput | PoolingRequestOutput]:
         """Step until no request is unfinished, yielding every step's outputs as they come: the one step loop of
         every caller (LLM.generate, the CLI, the benchmarks)."""
         while self.has_unfinished_requests():

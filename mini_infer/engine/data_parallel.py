@@ -33,7 +33,8 @@ from mini_infer.engine.input_processor import InputProcessor, ProcessedRequest, 
 from mini_infer.engine.llm_engine import LLMEngine
 from mini_infer.engine.scheduler import SchedulerStats
 from mini_infer.errors import InvalidRequestError, WorkerDiedError
-from mini_infer.outputs import CompletionOutput, RequestOutput
+from mini_infer.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
+from mini_infer.pooling_params import PoolingParams
 from mini_infer.sampling_params import SamplingParams
 
 
@@ -96,7 +97,8 @@ class DataParallelEngine(EngineClient):
     def default_sampling_params(self) -> SamplingParams:
         return self.processor.default_sampling_params()
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt: PromptType,
+                    params: SamplingParams | PoolingParams | None = None) -> None:
         self._check_replicas()
         self._check_id(request_id)
         self.add_processed(request_id, self.processor.process(prompt, params))
@@ -305,13 +307,17 @@ def _replica_main(config: EngineConfig, index: int, count: int, conn: Connection
             sys.exit(1)
 
 
-def _add_or_refuse(engine: LLMEngine, request_id: str, prompt: dict, params: SamplingParams) -> list[RequestOutput]:
+def _add_or_refuse(engine: LLMEngine, request_id: str, prompt: dict,
+                   params: SamplingParams | PoolingParams) -> list[RequestOutput | PoolingRequestOutput]:
     """Add the request; if this replica refuses it (the router checks everything first, so it should not), that
-    request alone ends, aborted, and the replica serves on."""
+    request alone ends, aborted (a pooling request: with no value), and the replica serves on."""
     try:
         engine.add_request(request_id, prompt, params)
     except ValueError as e:
         print(f"mini-infer replica: refused request {request_id!r}: {e}", file=sys.stderr)
+        if isinstance(params, PoolingParams):
+            return [PoolingRequestOutput(request_id, None, list(prompt.get("prompt_token_ids", [])),
+                                         prompt=prompt.get("prompt"))]
         refused = CompletionOutput(index=0, text="", token_ids=[], finish_reason="abort")
         return [RequestOutput(request_id, prompt.get("prompt"), list(prompt.get("prompt_token_ids", [])),
                               [refused], finished=True)]

@@ -1,5 +1,6 @@
 """InputProcessor: a request's prompt tokenized, every input checked and its structured-output grammar compiled
-before anything of it runs (a ProcessedRequest).
+before anything of it runs (a ProcessedRequest). A pooling model's request (PoolingParams) gets the model's
+defaults filled in and is checked against what the model allows (its task, hidden size, matryoshka dimensions).
 
 An engine uses it in add_request, a data-parallel router before picking a replica, and the async engine on a worker
 thread (so a long prompt or a new grammar never holds the engine's thread up): a bad request fails at once, in the
@@ -10,13 +11,14 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mini_infer.config import EngineConfig
 from mini_infer.engine.structured_output import GrammarCompiler
 from mini_infer.errors import InvalidRequestError
+from mini_infer.pooling_params import PoolingParams
 from mini_infer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -30,12 +32,12 @@ PromptType = str | list[int] | dict
 @dataclass(frozen=True, slots=True)
 class ProcessedRequest:
     """A request ready for an engine: its prompt's text (None for token ids) and ids, its sampling parameters (the
-    model's defaults where none were given), the tokens it may generate, and its structured-output grammar compiled
-    (None without a constraint)."""
+    model's defaults where none were given; a pooling model's request: its PoolingParams), the tokens it may
+    generate (0 for pooling), and its structured-output grammar compiled (None without a constraint)."""
 
     text: str | None
     token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     max_tokens: int
     grammar: xgr.CompiledGrammar | None = None
 
@@ -68,12 +70,23 @@ class InputProcessor:
                      if self.generation_config.get(theirs) is not None}
         return SamplingParams(**overrides)
 
-    def process(self, prompt: PromptType, params: SamplingParams | None) -> ProcessedRequest:
+    def process(self, prompt: PromptType, params: SamplingParams | PoolingParams | None) -> ProcessedRequest:
         """The request checked, its prompt tokenized and its grammar compiled (cached: once per distinct
-        constraint); params None takes the model's defaults."""
-        params = params if params is not None else self.default_sampling_params()
+        constraint); params None takes the model's defaults (a pooling model's: PoolingParams())."""
+        task = self.config.task
+        if params is None:
+            params = PoolingParams() if task != "generate" else self.default_sampling_params()
+        if isinstance(params, PoolingParams):
+            params = self._pooling_params(params)
+            text, token_ids = self._tokenize(prompt, special_tokens=True)
+            return ProcessedRequest(text, token_ids, params, self._check_pooling_length(len(token_ids)))
         if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}", "params")
+            raise InvalidRequestError(f"params must be a SamplingParams or a PoolingParams, got "
+                                      f"{type(params).__name__}", "params")
+        if task != "generate":
+            what = "embeddings (LLM.embed, /v1/embeddings)" if task == "embed" else "scores (LLM.score, /v1/rerank)"
+            raise InvalidRequestError(f"{self.config.model} runs task {task}: it computes {what}, not text; "
+                                      "SamplingParams need a generating model", "params")
         if params.stop_strings and self.tokenizer is None:
             raise InvalidRequestError("SamplingParams.stop needs a tokenizer; this model directory has none", "stop")
         check_token_ids(params.logit_bias or (), self.config.model_config.vocab_size, "logit_bias token id",
@@ -89,7 +102,49 @@ class InputProcessor:
         longest = max(map(len, self.tokenizer.get_vocab()))
         return 2 * longest * self.config.max_model_len
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def _pooling_params(self, params: PoolingParams) -> PoolingParams:
+        """A pooling request's parameters checked against the model (InvalidRequestError naming the field), the
+        model's default normalize filled in for an embedding."""
+        task, mc = self.config.task, self.config.model_config
+        if task == "generate":
+            raise InvalidRequestError(f"{self.config.model} runs task generate: PoolingParams (embeddings, scores) "
+                                      "need an embedding model or a reranker (task embed or score)", "params")
+        if task == "score":
+            for name in ("dimensions", "normalize"):
+                if getattr(params, name) is not None:
+                    raise InvalidRequestError(f"{name} is for embeddings; a reranker's score takes none", name)
+            return params
+        dims = params.dimensions
+        if dims is not None:
+            if dims > mc.hidden_size:
+                raise InvalidRequestError(f"dimensions must be <= {mc.hidden_size} (the model's hidden size), got "
+                                          f"{dims}", "dimensions")
+            if mc.matryoshka_dimensions is not None and dims not in mc.matryoshka_dimensions:
+                raise InvalidRequestError(f"dimensions must be one of {list(mc.matryoshka_dimensions)} (the model's "
+                                          f"matryoshka_dimensions), got {dims}", "dimensions")
+            if mc.matryoshka_dimensions is None and not mc.is_matryoshka:
+                raise InvalidRequestError("dimensions: this model's embeddings cannot be cut short (its config.json "
+                                          "has neither is_matryoshka nor matryoshka_dimensions: it was not trained "
+                                          "for it)", "dimensions")
+        normalize = self.config.pooler.normalize if params.normalize is None else params.normalize
+        return replace(params, normalize=normalize)
+
+    def _check_pooling_length(self, num_prompt_tokens: int) -> int:
+        """A pooling request's prompt fits the model and the cache (its whole length: it generates nothing); the
+        tokens it may generate, 0."""
+        if num_prompt_tokens > self.config.max_model_len:
+            raise InvalidRequestError(f"prompt has {num_prompt_tokens} tokens, more than max_model_len "
+                                      f"({self.config.max_model_len})", "prompt")
+        blocks = -(-num_prompt_tokens // self.config.block_size)
+        if blocks > self.num_kv_blocks:
+            raise InvalidRequestError(f"prompt ({num_prompt_tokens} tokens) needs {blocks} KV blocks but the whole "
+                                      f"cache has {self.num_kv_blocks} (block_size {self.config.block_size})", "prompt")
+        return 0
+
+    def _tokenize(self, prompt: PromptType, special_tokens: bool = False) -> tuple[str | None, list[int]]:
+        """The prompt's text and ids; texts tokenized with the tokenizer's special tokens where `special_tokens` (a
+        pooling model's, as vLLM's and sentence-transformers' embeddings are: Qwen3-Embedding's tokenizer appends
+        the <|endoftext|> its last-token pooling reads)."""
         text = None
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -107,7 +162,7 @@ class InputProcessor:
             if len(prompt) > self.config.max_model_len and len(prompt) > self._max_prompt_chars:
                 raise InvalidRequestError(f"prompt has {len(prompt)} characters, more than max_model_len "
                                           f"({self.config.max_model_len}) tokens can ever hold", "prompt")
-            text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+            text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=special_tokens)
         elif isinstance(prompt, (list, tuple)):
             token_ids = list(prompt)
         else:

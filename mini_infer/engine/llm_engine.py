@@ -1,7 +1,9 @@
 """LLMEngine: add_request / step / abort_request over the scheduler, the model runner and detokenization.
 
 Bad requests are refused by add_request with a ValueError naming the field and its allowed range; nothing
-of them reaches the scheduler, so the engine keeps serving everything else.
+of them reaches the scheduler, so the engine keeps serving everything else. A pooling model's engine (task embed or
+score) takes PoolingParams requests: each is prefilled through the same scheduler (chunked, preempted, from the
+prefix cache where its pooling allows) and finishes with one EmbeddingRequestOutput or ScoringRequestOutput.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from mini_infer.engine.scheduler import Scheduler, SchedulerStats, StepUpdate
 from mini_infer.engine.step_cost import OnlineStepCost
 from mini_infer.errors import InvalidRequestError
 from mini_infer.executor.executor import create_executor
-from mini_infer.outputs import CompletionOutput, Logprob, RequestOutput
+from mini_infer.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob,
+                                PoolingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput)
+from mini_infer.pooling_params import PoolingParams
 from mini_infer.profiling import profiled
 from mini_infer.runner.model_runner import ModelRunner
 from mini_infer.sampling_params import RequestOutputKind, SamplingParams
@@ -56,7 +60,7 @@ class LLMEngine(EngineClient):
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, RequestGroup] = {}  # requests of n > 1, by their id (their children are in requests)
         self._child_groups: dict[str, str] = {}  # child request id -> its group's
-        self._aborted_outputs: list[RequestOutput] = []
+        self._aborted_outputs: list[RequestOutput | PoolingRequestOutput] = []
 
     @property
     def runner(self) -> ModelRunner:
@@ -73,21 +77,28 @@ class LLMEngine(EngineClient):
 
     # ---- requests in ----
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt: PromptType,
+                    params: SamplingParams | PoolingParams | None = None) -> None:
         """Queue a request; with params.n > 1 its n completions run as child requests (engine/group.py)."""
         self.add_processed(request_id, self.processor.process(prompt, params))
 
     def add_processed(self, request_id: str, processed: ProcessedRequest) -> None:
         text, token_ids, params, max_tokens = (processed.text, processed.token_ids, processed.params,
                                                processed.max_tokens)
+        if isinstance(params, PoolingParams):
+            self._check_free(request_id)
+            request = Request(request_id=request_id, prompt=text, prompt_token_ids=token_ids, params=params,
+                              max_tokens=0, eos_token_ids=frozenset(), detokenizer=None,
+                              whole_prompt=self.config.pooler.pooling_type == "mean")
+            self.requests[request_id] = request
+            self.scheduler.add(request)
+            return
         count = params.num_samples
         if count > params.n:  # best_of: the best are known only at the end, so that is when they come
             params = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
         ids = [request_id] if count == 1 else [child_id(request_id, i) for i in range(count)]
         for rid in {request_id, *ids}:
-            if rid in self.requests or rid in self.groups:
-                raise InvalidRequestError(f"request_id {rid!r} is already in use by an unfinished request",
-                                          "request_id")
+            self._check_free(rid)
         requests = [self._request(rid, text, token_ids, params if count == 1 else child_params(params, i),
                                   max_tokens, i, request_id if count > 1 else None, processed.grammar)
                     for i, rid in enumerate(ids)]
@@ -103,6 +114,11 @@ class LLMEngine(EngineClient):
             requests = requests[:1] if waiting else requests
         for request in requests:
             self.scheduler.add(request)
+
+    def _check_free(self, request_id: str) -> None:
+        if request_id in self.requests or request_id in self.groups:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use by an unfinished request",
+                                      "request_id")
 
     def _request(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams,
                  max_tokens: int, index: int, group_id: str | None,
@@ -132,13 +148,14 @@ class LLMEngine(EngineClient):
                     request.status = RequestStatus.FINISHED_ABORTED
                 else:
                     self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
-                self._aborted_outputs.append(_make_output(request))
+                self._aborted_outputs.append(_pooling_output(self.config.task, request, None) if request.pooling
+                                             else _make_output(request))
             if group is not None:
                 group.waiting.clear()
 
     # ---- the loop ----
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """Run one scheduled step; return the outputs of the requests it advanced (and of aborted ones)."""
         outputs, self._aborted_outputs = self._aborted_outputs, []
         with profiled("scheduler"):
@@ -149,12 +166,14 @@ class LLMEngine(EngineClient):
                 outputs += self._outputs(self.scheduler.update(plan, sampled))
         return self._grouped(outputs)
 
-    def _outputs(self, update: StepUpdate) -> list[RequestOutput]:
+    def _outputs(self, update: StepUpdate) -> list[RequestOutput | PoolingRequestOutput]:
         """The step's outputs: each request that sampled, its logprobs recorded (a group's first completion's first
-        token lets the rest of the group start); the finished ones dropped from the engine's books."""
+        token lets the rest of the group start), and each pooling request with its value; the finished ones dropped
+        from the engine's books."""
         for request_id, (first, scored) in update.prompt_logprobs.items():
             self._record_prompt_logprobs(self.requests[request_id], first, scored)
-        outputs = []
+        outputs: list[RequestOutput | PoolingRequestOutput] = [
+            _pooling_output(self.config.task, request, value) for request, value in update.pooled]
         for request, token_id, logprobs in update.sampled:
             if request.group_id is not None and request.num_output_tokens == 1 and request.index == 0:
                 self._release_waiting_children(request.group_id)
@@ -249,6 +268,15 @@ def _step_target(config: EngineConfig) -> dict:
     if config.target_itl_ms is None:
         return {}
     return {"step_cost": OnlineStepCost(), "target_step_s": config.target_itl_ms / 1000}
+
+
+def _pooling_output(task: str, request: Request, value: list[float] | float | None) -> PoolingRequestOutput:
+    """A pooling request's output: its embedding or score (value None: aborted before it was computed)."""
+    if task == "embed":
+        output = EmbeddingOutput(value) if value is not None else None
+        return EmbeddingRequestOutput(request.request_id, output, request.prompt_token_ids, prompt=request.prompt)
+    output = ScoringOutput(value) if value is not None else None
+    return ScoringRequestOutput(request.request_id, output, request.prompt_token_ids, prompt=request.prompt)
 
 
 def _make_output(request: Request) -> RequestOutput | None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from mini_infer.engine.scheduler import SchedulerStats
-from mini_infer.outputs import RequestOutput
+from mini_infer.outputs import PoolingRequestOutput, RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0,
                     40.0, 80.0, 160.0, 320.0)
@@ -68,11 +68,17 @@ class EngineMetrics:
         if self._timings.pop(request_id, None) is not None:
             self.success["abort"].inc()
 
-    def on_outputs(self, outputs: list[RequestOutput], now: float) -> None:
-        """Count the tokens of a step's DELTA outputs and time them."""
+    def on_outputs(self, outputs: list[RequestOutput | PoolingRequestOutput], now: float) -> None:
+        """Count the tokens of a step's DELTA outputs and time them (a pooling request's one output: its prompt)."""
         for output in outputs:
             timing = self._timings.get(output.request_id)
             if timing is None:  # not tracked here (already aborted)
+                continue
+            if isinstance(output, PoolingRequestOutput):
+                del self._timings[output.request_id]
+                self.prompt_tokens.inc(len(output.prompt_token_ids))
+                self.e2e.observe(now - timing.arrival)
+                self.success["stop"].inc()
                 continue
             num_new = sum(len(completion.token_ids) for completion in output.outputs)  # n > 1: every completion's
             if num_new:

@@ -1,4 +1,5 @@
-"""Request: one prompt's state as it flows through scheduler, runner and detokenizer."""
+"""Request: one prompt's state as it flows through scheduler, runner and detokenizer (a pooling model's request:
+through scheduler and runner only, its PoolingParams in place of SamplingParams)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 from mini_infer.engine.detokenizer import IncrementalDetokenizer
 from mini_infer.engine.structured_output import Grammar
 from mini_infer.outputs import Logprob
+from mini_infer.pooling_params import PoolingParams
 from mini_infer.sampling_params import SamplingParams
 
 
@@ -28,8 +30,8 @@ class Request:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    params: SamplingParams
-    max_tokens: int  # params.max_tokens, or what max_model_len leaves when that is None
+    params: SamplingParams | PoolingParams
+    max_tokens: int  # params.max_tokens, or what max_model_len leaves when that is None (a pooling request: 0)
     eos_token_ids: frozenset[int]  # empty when params.ignore_eos
     detokenizer: IncrementalDetokenizer | None
     status: RequestStatus = RequestStatus.WAITING
@@ -45,15 +47,26 @@ class Request:
     index: int = 0  # which of its group's n completions (SamplingParams.n; engine/group.py)
     group_id: str | None = None  # the request it was fanned out of, or None
     grammar: Grammar | None = None  # SamplingParams.structured_outputs: where its output is in its grammar
+    # Every prompt position computed, none taken from the prefix cache: prompt logprobs (cached positions would have
+    # none) and mean pooling (the mean reads every position's hidden state).
+    whole_prompt: bool = False
     # What the last RequestOutput already carried (for DELTA outputs).
     num_emitted_tokens: int = 0
     num_emitted_chars: int = 0
 
     def __post_init__(self) -> None:
+        if self.pooling:
+            return
         if self.params.logprobs is not None:
             self.logprobs, self.cumulative_logprob = [], 0.0
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+            self.whole_prompt = True
+
+    @property
+    def pooling(self) -> bool:
+        """A pooling model's request: its prompt is computed, then it finishes with its embedding or score."""
+        return isinstance(self.params, PoolingParams)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -82,8 +95,8 @@ class Request:
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
-        """The token ids that end the request (once it has min_tokens outputs)."""
-        return (*self.eos_token_ids, *self.params.stop_token_ids)
+        """The token ids that end the request (once it has min_tokens outputs); none for a pooling request."""
+        return () if self.pooling else (*self.eos_token_ids, *self.params.stop_token_ids)
 
     @property
     def text(self) -> str:

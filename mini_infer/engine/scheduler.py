@@ -18,7 +18,9 @@ request is admitted in a step that had to preempt (re-admitting a victim at once
 
 `update(plan, sampled)` owns what follows the step: the computed-token accounting, prefix-cache registration of the
 blocks it filled, appending each sampled token, the stop checks (stop tokens, max_tokens, stop strings, a finished
-structured-output grammar) and retiring finished requests, whose blocks return at once.
+structured-output grammar) and retiring finished requests, whose blocks return at once. A pooling model's request
+(embeddings, scores) is prefill only: the step that computes its prompt's last token gives its value (PoolerOutput),
+and it finishes there.
 
 Each step's decision goes out as a StepPlan (plain data): a request's tokens, blocks and sampling parameters once,
 when it enters the runners' batch, then only what it gained since it last ran, and who left the batch; with the
@@ -40,6 +42,7 @@ from mini_infer.engine.step_cost import StepCost, StepShape
 from mini_infer.engine.stop import check_stop
 from mini_infer.engine.structured_output import allocate_bitmask
 from mini_infer.runner.plan import GrammarBitmask, NewRequest, StepPlan
+from mini_infer.runner.pooler import PoolerOutput
 from mini_infer.runner.sampler import SamplerOutput
 
 logger = logging.getLogger(__name__)
@@ -57,11 +60,12 @@ def _engine_default(name: str):
 @dataclass(slots=True)
 class StepUpdate:
     """What a step changed, for the engine's outputs: each request that sampled a token (in the plan's order) with
-    the token and its logprobs (None unless asked), the prompt logprobs the step computed, and the requests it
-    finished (already retired)."""
+    the token and its logprobs (None unless asked), the prompt logprobs the step computed, each pooling request
+    whose prompt it finished with its embedding or score, and the requests it finished (already retired)."""
 
     sampled: list[tuple[Request, int, tuple | None]] = field(default_factory=list)
     prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)
+    pooled: list[tuple[Request, list[float] | float]] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)
 
 
@@ -150,12 +154,14 @@ class Scheduler:
         plan.preempted_ids, self._preempted = self._preempted, []
         return plan
 
-    def update(self, plan: StepPlan, sampled: SamplerOutput | None) -> StepUpdate:
+    def update(self, plan: StepPlan, sampled: SamplerOutput | PoolerOutput | None) -> StepUpdate:
         """Account for a step the runners computed: each scheduled request's computed tokens (and the blocks they
         filled, registered in the prefix cache), then for those that sampled, the token appended, the stop checks,
-        and retiring the finished."""
-        update = StepUpdate(prompt_logprobs=sampled.prompt_logprobs or {} if sampled is not None else {})
-        rows = iter(zip(sampled.token_ids, sampled.logprobs)) if sampled is not None else iter(())
+        and retiring the finished; a pooling request whose prompt is computed takes its value and is retired."""
+        generated = isinstance(sampled, SamplerOutput)
+        update = StepUpdate(prompt_logprobs=sampled.prompt_logprobs or {} if generated else {})
+        rows = iter(zip(sampled.token_ids, sampled.logprobs)) if generated else iter(())
+        values = iter(sampled.values) if isinstance(sampled, PoolerOutput) else iter(())
         requests = {request.request_id: request for request in self.running}
         for request_id, num_new in zip(plan.request_ids, plan.num_new_tokens):
             request = requests[request_id]
@@ -163,6 +169,11 @@ class Scheduler:
             self.kv_cache.cache_blocks(request_id, request.token_ids_slice, request.num_computed_tokens)
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prompt chunk with more to come: nothing sampled
+            if request.pooling:
+                update.pooled.append((request, next(values)))
+                self.finish(request, RequestStatus.FINISHED_STOPPED)
+                update.finished.append(request)
+                continue
             token_id, logprobs = next(rows)
             request.output_token_ids.append(token_id)
             check_stop(request, token_id, request.grammar is not None and _advance_grammar(request, token_id))
@@ -226,9 +237,9 @@ class Scheduler:
         """Admit the first waiting request with its cached prefix and up to `budget` more tokens (all of them
         without chunked prefill; fewer where the step-time target says so); the tokens scheduled, 0 when it cannot
         be admitted now. It leaves one block per running request free, and where it computes its whole prompt, the
-        one its first decode needs too."""
-        # A request that wants prompt logprobs computes its whole prompt (cached positions would have none), as vLLM.
-        hits = [] if request.params.prompt_logprobs is not None else self.kv_cache.match_prefix(request.all_token_ids)
+        one its first decode needs too (a generating request's)."""
+        # Prompt logprobs and mean pooling compute the whole prompt (Request.whole_prompt), as vLLM.
+        hits = [] if request.whole_prompt else self.kv_cache.match_prefix(request.all_token_ids)
         cached = len(hits) * self.kv_cache.block_size
         remaining = request.num_tokens - cached
         num_new = min(remaining, budget)
@@ -237,7 +248,8 @@ class Scheduler:
         if num_new < 1 or (not self.enable_chunked_prefill and num_new < remaining):
             return 0
         blocks = self.kv_cache.blocks_for
-        extra = blocks(request.num_tokens + 1) - blocks(request.num_tokens) if num_new == remaining else 0
+        decodes = num_new == remaining and not request.pooling  # (a pooling request ends with its prompt)
+        extra = blocks(request.num_tokens + 1) - blocks(request.num_tokens) if decodes else 0
         if not self.kv_cache.allocate_with_prefix(request.request_id, hits, cached + num_new,
                                                   len(self.running) + extra):
             return 0

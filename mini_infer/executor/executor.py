@@ -14,6 +14,7 @@ from mini_infer.errors import WorkerDiedError
 from mini_infer.executor.ranks import Ranks
 from mini_infer.runner.model_runner import ModelRunner
 from mini_infer.runner.plan import StepPlan
+from mini_infer.runner.pooler import PoolerOutput
 from mini_infer.runner.sampler import SamplerOutput
 
 
@@ -23,7 +24,7 @@ class LocalExecutor:
     def __init__(self, config: EngineConfig, num_blocks: int) -> None:
         self.runner = ModelRunner(config, num_blocks, Comm.local(config), torch.device(config.device))
 
-    def execute(self, plan: StepPlan) -> SamplerOutput | None:
+    def execute(self, plan: StepPlan) -> SamplerOutput | PoolerOutput | None:
         return self.runner.execute(plan)
 
     def check_health(self) -> None:
@@ -50,7 +51,7 @@ class RankExecutor:
             self.ranks.shutdown()
             raise
 
-    def execute(self, plan: StepPlan) -> SamplerOutput | None:
+    def execute(self, plan: StepPlan) -> SamplerOutput | PoolerOutput | None:
         self._raise_if_failed()
         try:
             self.ranks.broadcast_step(plan)

@@ -1,4 +1,5 @@
-"""Random-weight checkpoints in Hugging Face format: Qwen2.5 shapes, and tiny Qwen3 and Llama 3.2-style ones.
+"""Random-weight checkpoints in Hugging Face format: Qwen2.5 shapes, and tiny Qwen3 and Llama 3.2-style ones (a
+Qwen3-Embedding-shape and a Qwen3-Reranker-shape one among them).
 
 Owns the model presets, both config.json layouts, the weight generator and the default model dir.
 """
@@ -120,6 +121,32 @@ PRESETS["qwen3-tiny"] = {
     "sliding_window": None,
 }
 
+# Qwen3-Embedding's shape at qwen3-tiny's size: a base model (Qwen3Model: no LM head, its tensors without the "model."
+# prefix) with sentence-transformers' modules.json (SENTENCE_TRANSFORMERS below: last-token pooling, L2 normalised);
+# its embeddings may be cut short (is_matryoshka), as Qwen3-Embedding's (MRL) may.
+PRESETS["qwen3-embedding-tiny"] = {**PRESETS["qwen3-tiny"], "architectures": ["Qwen3Model"], "is_matryoshka": True}
+# Qwen3-Reranker's shape at qwen3-tiny's size: a Qwen3 causal LM whose config.json carries the keys vLLM's
+# hf_overrides give Qwen3-Reranker, so that the engine detects task score: the pair's score is
+# sigmoid(logit(yes) - logit(no)) at its last token.
+PRESETS["qwen3-reranker-tiny"] = {**PRESETS["qwen3-tiny"], "architectures": ["Qwen3ForSequenceClassification"],
+                                  "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True}
+
+# sentence-transformers' files of the embedding presets: file -> content (modules.json, the Pooling module's config).
+SENTENCE_TRANSFORMERS = {
+    "modules.json": [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ],
+    "1_Pooling/config.json": {
+        "word_embedding_dimension": PRESETS["qwen3-embedding-tiny"]["hidden_size"], "pooling_mode_cls_token": False,
+        "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False,
+        "pooling_mode_mean_sqrt_len_tokens": False, "pooling_mode_weightedmean_tokens": False,
+        "pooling_mode_lasttoken": True, "include_prompt": True,
+    },
+}
+EXTRA_FILES = {"qwen3-embedding-tiny": SENTENCE_TRANSFORMERS}
+
 LAYOUTS = ("published", "transformers5")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -140,7 +167,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 NORM_STD = 0.1
 
 
-def _write_json(path: Path, data: dict) -> None:
+def _write_json(path: Path, data: dict | list) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
@@ -175,7 +202,8 @@ def write_config(out_dir: str | os.PathLike, config: dict, layout: str = "publis
 
 def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """HF tensor names and shapes of a Qwen2, Qwen3 or Llama causal LM with this (published-layout) config (q/k/v
-    biases: Qwen2's; q_norm / k_norm: Qwen3's)."""
+    biases: Qwen2's; q_norm / k_norm: Qwen3's); a base model's (architectures Qwen3Model, ...) without the LM head
+    and the "model." prefix, as HF saves one."""
     hidden = config["hidden_size"]
     head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
     q_size = config["num_attention_heads"] * head_dim
@@ -202,6 +230,8 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
             f"{prefix}.post_attention_layernorm.weight": (hidden,),
         }
     shapes["model.norm.weight"] = (hidden,)
+    if config["architectures"][0].endswith("Model"):
+        return {name.removeprefix("model."): shape for name, shape in shapes.items()}
     if not config["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (config["vocab_size"], hidden)
     return shapes
@@ -296,6 +326,9 @@ def make_model(
         weights = random_weights(config, seed, DTYPES[dtype])
         save_file(weights, staging / "model.safetensors", metadata={"format": "pt"})
         (staging / "model.safetensors").chmod(0o644)  # safetensors creates it owner-only
+        for name, content in EXTRA_FILES.get(preset, {}).items():
+            (staging / name).parent.mkdir(parents=True, exist_ok=True)
+            _write_json(staging / name, content)
         del weights  # ~1 GB for the 0.5B preset; free it before the tokenizer copy
         if tokenizer_files:
             for path in tokenizer_files:

@@ -4,7 +4,9 @@ shard of it.
 HF's separate q/k/v and gate/up tensors are copied into slices of our fused parameters; a tensor- or pipeline-
 parallel rank reads only its own slice of each tensor it holds (safetensors slices, so the rest is never loaded)
 and skips the layers of other stages. Every tensor must have its exact checkpoint shape, every one this rank
-holds must arrive exactly once, and nothing unknown may be left over.
+holds must arrive exactly once, and nothing unknown may be left over. A base model's tensors (saved from Qwen3Model,
+say, as sentence-transformers checkpoints are) come without the "model." prefix; a model built without an LM head
+(an embedding model's) expects none and ignores a checkpoint's.
 """
 
 from __future__ import annotations
@@ -69,12 +71,13 @@ def _projections(config: ModelConfig, layer: int) -> dict[str, tuple[int, int]]:
             f"{p}mlp.down_proj": (hidden, inter)}
 
 
-def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the whole checkpoint with its shape (lm_head only when untied); a pre-quantised checkpoint's
-    projections as their packed tensors (prequantized.packed_shapes), g_idx optional without act-order."""
+def _expected_shapes(config: ModelConfig, lm_head: bool) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the whole checkpoint with its shape (lm_head only when the model has one, untied); a
+    pre-quantised checkpoint's projections as their packed tensors (prequantized.packed_shapes), g_idx optional
+    without act-order."""
     hidden = config.hidden_size
     shapes = {"model.embed_tokens.weight": (config.vocab_size, hidden), "model.norm.weight": (hidden,)}
-    if not config.tie_word_embeddings:
+    if lm_head and not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, hidden)
     for i in range(config.num_hidden_layers):
         p, projections = f"model.layers.{i}.", _projections(config, i)
@@ -128,7 +131,7 @@ def _targets(model: Qwen2ForCausalLM, config: ModelConfig, shard: Shard) -> dict
         targets["model.embed_tokens.weight"] = [_Target(model.embed_tokens, 0, vocab)]
     if shard.last_stage:
         targets["model.norm.weight"] = [_Target(model.norm.weight, 0)]
-        if model.lm_head is not model.embed_tokens:
+        if model.lm_head is not None and model.lm_head is not model.embed_tokens:
             head_source = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
             targets.setdefault(head_source, []).append(_Target(model.lm_head, 0, vocab))
     for i, layer in enumerate(model.layers, start=shard.layer_start):
@@ -152,14 +155,17 @@ def _targets(model: Qwen2ForCausalLM, config: ModelConfig, shard: Shard) -> dict
     return targets
 
 
-def _ignorable(name: str, config: ModelConfig) -> bool:
-    # Tied checkpoints sometimes still carry lm_head.weight; the embedding is the head then.
-    return name.endswith(_IGNORED_SUFFIXES) or (config.tie_word_embeddings and name == "lm_head.weight")
+def _ignorable(name: str, config: ModelConfig, lm_head: bool) -> bool:
+    # Tied checkpoints sometimes still carry lm_head.weight; the embedding is the head then. A model without a head
+    # (an embedding model's) has no use for one.
+    return name.endswith(_IGNORED_SUFFIXES) or ((config.tie_word_embeddings or not lm_head)
+                                                and name == "lm_head.weight")
 
 
 def load_weights(model: Qwen2ForCausalLM, config: ModelConfig, model_dir: Path) -> None:
     shard = model.shard
-    shapes = _expected_shapes(config)
+    lm_head = model.has_lm_head
+    shapes = _expected_shapes(config, lm_head)
     targets = _targets(model, config, shard)
     linears = _quantized_linears(model, config, shard) if config.quantization is not None else []
     # this rank's pre-quantised tensors: checkpoint name -> (its projection, suffix, the dtypes it may have)
@@ -174,15 +180,17 @@ def load_weights(model: Qwen2ForCausalLM, config: ModelConfig, model_dir: Path) 
     loaded: set[str] = set()
     for file in checkpoint_files(model_dir):
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for stored in f.keys():
+                # A base model's tensors are saved without the "model." prefix.
+                name = stored if stored in shapes or f"model.{stored}" not in shapes else f"model.{stored}"
                 if name not in shapes:
-                    if _ignorable(name, config):
+                    if _ignorable(name, config, lm_head):
                         continue
                     raise ValueError(f"{file}: unexpected tensor {name!r} for a {config.architecture} model of this "
                                      "config")
                 if name in loaded:
                     raise ValueError(f"{file}: tensor {name!r} appears in more than one shard")
-                tensor = f.get_slice(name)
+                tensor = f.get_slice(stored)
                 shape = tuple(tensor.get_shape())
                 if shape != shapes[name]:
                     raise ValueError(f"{file}: tensor {name!r} has shape {shape}, expected {shapes[name]} "
@@ -223,9 +231,10 @@ def _zero_vocab_padding(model: Qwen2ForCausalLM, shard: Shard) -> None:
 
 
 def load_model(config: ModelConfig, model_dir: Path, *, dtype: torch.dtype, device: str, max_positions: int,
-               ops: Ops, comm: Comm) -> Qwen2ForCausalLM:
+               ops: Ops, comm: Comm, lm_head: bool = True) -> Qwen2ForCausalLM:
+    """The network loaded from the checkpoint, with an LM head unless `lm_head` is False (an embedding model's)."""
     model = Qwen2ForCausalLM(config, dtype=dtype, device=device, max_positions=max_positions, ops=ops,
-                             shard=comm.shard, comm=comm)
+                             shard=comm.shard, comm=comm, lm_head=lm_head)
     load_weights(model, config, model_dir)
     ops.prepare(model.linear_weights())
     if ops.quantization is not None:

@@ -76,9 +76,11 @@ class Qwen2DecoderLayer(nn.Module):
 
 class Qwen2ForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device, max_positions: int, ops: Ops,
-                 shard: Shard, comm: Comm) -> None:
+                 shard: Shard, comm: Comm, lm_head: bool = True) -> None:
+        """lm_head False: the layers and the final norm only (an embedding model's: it pools hidden states)."""
         super().__init__()
         self.config, self.shard, self.comm, self.ops = config, shard, comm, ops
+        self.has_lm_head = lm_head
         factory = dict(dtype=dtype, device=device)
         vocab_rows = (shard.vocab_shard_size, config.hidden_size)
         self.embed_tokens = empty_parameter(*vocab_rows, **factory) if shard.first_stage else None
@@ -90,7 +92,8 @@ class Qwen2ForCausalLM(nn.Module):
         if shard.last_stage:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
             tied_here = config.tie_word_embeddings and shard.first_stage
-            self.lm_head = self.embed_tokens if tied_here else empty_parameter(*vocab_rows, **factory)
+            if lm_head:
+                self.lm_head = self.embed_tokens if tied_here else empty_parameter(*vocab_rows, **factory)
         self._stacks: dict[tuple, DecoderStack] = {}  # per set of matmul choices, built on first use
 
     def linear_weights(self) -> list[tuple[nn.Module, str]]:
@@ -166,11 +169,15 @@ class Qwen2ForCausalLM(nn.Module):
             x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta)
         return x, residual
 
+    def final_hidden(self, x: torch.Tensor, residual: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+        """The final norm's output at rows `rows` of the last stage's layer outputs (it adds the last MLP output to
+        the residual stream): what the LM head reads, and what an embedding model pools."""
+        x, _ = self.ops.rms_norm(self.norm, x[rows], residual[rows] if residual is not None else None)
+        return x
+
     def compute_logits(self, x: torch.Tensor, residual: torch.Tensor | None,
                        logits_indices: torch.Tensor) -> torch.Tensor | None:
-        """The last stage's logits of the rows `logits_indices` of the layers' outputs (the final norm adds the last
-        MLP output to the residual stream)."""
+        """The last stage's logits of the rows `logits_indices` of the layers' outputs."""
         with profiled("lm_head"):
-            rows = residual[logits_indices] if residual is not None else None
-            x, _ = self.ops.rms_norm(self.norm, x[logits_indices], rows)
-            return self.comm.gather_vocab(self.ops.linear(x, self.lm_head))
+            return self.comm.gather_vocab(self.ops.linear(self.final_hidden(x, residual, logits_indices),
+                                                          self.lm_head))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mini_infer.runner.plan import StepPlan
+from mini_infer.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
@@ -33,6 +34,7 @@ class StepInputs:
     # its next prompt token (prompt_targets); per request (id, its first scored prompt position, how many, top-N).
     prompt_targets: torch.Tensor | None = None
     prompt_owners: list[tuple[str, int, int, int]] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)  # each request's slot, in batch order
 
     @property
     def num_tokens(self) -> int:
@@ -60,7 +62,9 @@ class InputBatch:
             slot = self.slots[new.request_id] = new.slot
             self.token_ids[slot, : len(new.token_ids)] = torch.tensor(new.token_ids)
             self.num_tokens[slot], self.num_computed[slot] = len(new.token_ids), new.num_computed_tokens
-            self.num_prompt[slot], self.prompt_logprobs[slot] = new.num_prompt_tokens, new.params.prompt_logprobs
+            self.num_prompt[slot] = new.num_prompt_tokens
+            # (a pooling request's PoolingParams score no prompt positions)
+            self.prompt_logprobs[slot] = new.params.prompt_logprobs if isinstance(new.params, SamplingParams) else None
             self.block_table[slot, : len(new.block_ids)] = torch.tensor(new.block_ids, dtype=torch.int64)
             self.num_blocks[slot] = len(new.block_ids)
         gained = self._append([(self.slots[rid], tokens) for rid, tokens in plan.new_token_ids.items()],
@@ -114,7 +118,8 @@ class InputBatch:
             context_lens=torch.tensor(context_lens),
             logits_indices=torch.tensor([i for i, sample in enumerate(samples) if sample], dtype=torch.int64),
             query_start_loc=list(range(len(slot_list) + 1)), context_lens_host=context_lens,
-            num_decodes=len(slot_list), sampling_slots=[s for s, sample in zip(slot_list, samples) if sample])
+            num_decodes=len(slot_list), sampling_slots=[s for s, sample in zip(slot_list, samples) if sample],
+            slots=slot_list)
 
     def _prepare_any(self, plan: StepPlan, slot_list: list[int]) -> StepInputs:
         """prepare() for any step: prompt chunks, several tokens a request, prompt positions to score."""
@@ -157,4 +162,4 @@ class InputBatch:
                           prompt_targets=torch.cat(prompt_targets) if owners else None, prompt_owners=owners,
                           query_start_loc=query_start_loc.tolist(), context_lens_host=context_lens.tolist(),
                           num_decodes=int(multi[0, 0]) if len(multi) else len(slot_list),
-                          sampling_slots=[s for s, sample in zip(slot_list, samples) if sample])
+                          sampling_slots=[s for s, sample in zip(slot_list, samples) if sample], slots=slot_list)

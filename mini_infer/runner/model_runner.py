@@ -2,7 +2,9 @@
 
 Every rank applies the same StepPlan to its own InputBatch and runs its part of the step: a pipeline stage
 after the first takes its input from the previous stage, and rank 0 ends up with the logits of the requests
-that sample, which its Sampler turns into tokens.
+that sample, which its Sampler turns into tokens. A pooling model's rank 0 (task embed or score, one stage) has a
+Pooler instead: it turns the final norm's hidden states (embed) or the logits (score) of the requests whose
+prompt the step finishes into their embeddings or scores.
 """
 
 from __future__ import annotations
@@ -21,19 +23,21 @@ from mini_infer.profiling import profiled
 from mini_infer.runner.graphs import CaptureReport, DecodeGraphs
 from mini_infer.runner.input_batch import InputBatch, StepInputs
 from mini_infer.runner.plan import StepPlan
+from mini_infer.runner.pooler import Pooler, PoolerOutput
 from mini_infer.runner.sampler import Sampler, SamplerOutput, prompt_logprobs
 
 
 class ModelRunner:
     """One rank's shard of the model, the K/V tensors of its layers (its share of the KV heads) and its batch;
-    rank 0 also samples."""
+    rank 0 also samples (or pools)."""
 
     def __init__(self, config: EngineConfig, num_blocks: int, comm: Comm, device: torch.device) -> None:
         self.config, self.comm, self.device = config, comm, device
         mc, shard = config.model_config, comm.shard
         self.ops = select_backend(config, device)
+        self.embeds = config.task == "embed"  # pools the final norm's hidden states: no LM head
         self.model = load_model(mc, Path(config.model), dtype=config.torch_dtype, device=device,
-                                max_positions=config.max_model_len, ops=self.ops, comm=comm)
+                                max_positions=config.max_model_len, ops=self.ops, comm=comm, lm_head=not self.embeds)
         shape = (num_blocks, config.block_size, shard.num_kv_heads, mc.head_dim)
         # Uninitialised: pages are committed as blocks are first written (zeroing gigabytes up front took
         # seconds here); attention never lets an unwritten slot reach its result.
@@ -45,7 +49,9 @@ class ModelRunner:
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.max_blocks_per_seq,
                                       config.block_size)
         self.sampler = Sampler(mc.vocab_size, device, config.seed, self.ops.argmax, self.ops.top_k,
-                               self.ops.mask_rows) if comm.rank == 0 else None
+                               self.ops.mask_rows) if comm.rank == 0 and config.pooler is None else None
+        self.pooler = Pooler(config.task, config.pooler, mc.hidden_size, config.max_num_seqs, config.torch_dtype,
+                             device) if comm.rank == 0 and config.pooler is not None else None
         self.graphs: DecodeGraphs | None = None
         self.graph_report: CaptureReport | None = None
         # Graphs hold the GPU backend's decode steps on one rank (across ranks they would hold the collectives too).
@@ -75,16 +81,23 @@ class ModelRunner:
             for new in plan.new_requests:
                 self.sampler.add(new)
             self.sampler.append(*gained)
+        if self.pooler is not None:
+            for new in plan.new_requests:
+                self.pooler.add(new)
         return batch.prepare(plan) if plan.request_ids else None
 
-    def execute(self, plan: StepPlan) -> SamplerOutput | None:
-        """Run one step; rank 0 returns the sampled tokens of the requests that sample (None if none does)."""
+    def execute(self, plan: StepPlan) -> SamplerOutput | PoolerOutput | None:
+        """Run one step; rank 0 returns the sampled tokens of the requests that sample, or a pooling model's values
+        of the requests whose prompt it finishes (None if there are none)."""
         with profiled("input_prep"):
             inputs = self.prepare(plan)
         if inputs is None:
             return None
         with profiled("forward"):
             logits = self.forward(inputs)
+        if self.pooler is not None:
+            with profiled("pooling"):
+                return self.pooler(logits, inputs)
         if self.sampler is None or not (inputs.sampling_slots or inputs.prompt_owners):
             return None
         num_sampled = len(inputs.sampling_slots)
@@ -98,11 +111,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, step: StepInputs) -> torch.Tensor | None:
-        """Run this rank's part of the step; rank 0 gets the logits [num_reqs, >= vocab], the others None."""
+        """Run this rank's part of the step; rank 0 gets the logits [num_reqs, >= vocab] (an embedding model: the
+        final norm's hidden states of the rows it pools), the others None."""
         to = dict(device=self.device, non_blocking=True)
         hidden = self.graphs.run(step) if self.graphs is not None else None
         if hidden is not None:
-            return self.model.compute_logits(*hidden, step.logits_indices.to(**to))
+            return self._last_stage_output(*hidden, step)
         meta = AttentionMetadata(
             slot_mapping=step.slot_mapping.to(**to), block_tables=step.block_tables.to(**to),
             context_lens=step.context_lens.to(**to), query_start_loc=step.query_start_loc,
@@ -118,6 +132,9 @@ class ModelRunner:
         else:
             inputs = comm.recv_hidden(step.num_tokens, self.config.model_config.hidden_size,
                                       self.config.torch_dtype, self.device)
+        if self.embeds:  # one stage (EngineConfig): this rank's layers end with the final norm
+            hidden = self.model.hidden_states(inputs, step.positions.to(**to), self.kv_caches, meta)
+            return self._last_stage_output(*hidden, step) if comm.rank == 0 else None
         out = self.model(inputs, step.positions.to(**to), self.kv_caches, meta, step.logits_indices.to(**to))
         if not shard.last_stage:
             comm.send_hidden(out)
@@ -127,6 +144,16 @@ class ModelRunner:
         elif comm.rank == 0 and comm.logits_source != 0:
             out = comm.recv_logits(len(step.logits_indices), self.config.torch_dtype, self.device)
         return out if comm.rank == 0 else None
+
+    def _last_stage_output(self, x: torch.Tensor, residual: torch.Tensor | None, step: StepInputs) -> torch.Tensor:
+        """From the last layer's outputs: the logits of the sampling rows, or an embedding model's final hidden states
+        at the rows it pools (its prompts' last tokens, or with mean pooling every token of the step)."""
+        rows = step.logits_indices
+        if not self.embeds:
+            return self.model.compute_logits(x, residual, rows.to(self.device, non_blocking=True))
+        if self.config.pooler.pooling_type == "mean":
+            rows = torch.arange(step.num_tokens)
+        return self.model.final_hidden(x, residual, rows.to(self.device, non_blocking=True))
 
     def memory_stats(self) -> dict:
         """This rank's parameter and KV bytes, its peak memory (CUDA max allocated, or the process's peak resident

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mini_infer.pooling_params import PoolingParams
 from mini_infer.sampling_params import SamplingParams
 
 
@@ -21,7 +22,7 @@ class NewRequest:
     num_prompt_tokens: int
     num_computed_tokens: int  # tokens whose K/V are cached already (a cached prefix)
     block_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams  # PoolingParams: a pooling model's request (runner/pooler.py)
     min_tokens_stop_ids: tuple[int, ...]  # ids the sampler masks until min_tokens outputs exist
 
 

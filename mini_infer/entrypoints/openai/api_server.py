@@ -3,7 +3,8 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (SSE streaming with `stream: true`; `n` choices),
 POST /v1/responses with GET and DELETE /v1/responses/{id} (the Responses API: responses.py), GET /v1/models and
 /v1/models/{id}, POST /tokenize and POST /detokenize (vLLM's), GET /health, GET /metrics (Prometheus text). Errors
-come back in OpenAI's shape, {"error": {"message", "type", "param", "code"}}.
+come back in OpenAI's shape, {"error": {"message", "type", "param", "code"}}. An embedding model or a reranker
+serves POST /v1/embeddings, /v1/score and /v1/rerank instead (pooling.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from mini_infer.engine.arg_utils import EngineArgs
 from mini_infer.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineShutdownError
 from mini_infer.engine.input_processor import check_token_ids
 from mini_infer.entrypoints.openai.choices import ChatChoices, Choices, CompletionChoices, usage_body
+from mini_infer.entrypoints.openai.pooling import PoolingEndpoints, check_task
 from mini_infer.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                     TokenizeRequest)
 from mini_infer.entrypoints.openai.reasoning import REASONING_PARSERS, check_reasoning_parser
@@ -136,7 +138,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, *, api_key: str | 
                             ("/v1/chat/completions", ChatCompletionRequest, server.chat_completion),
                             ("/v1/responses", ResponsesRequest, server.create_response),
                             ("/tokenize", TokenizeRequest, server.tokenize),
-                            ("/detokenize", DetokenizeRequest, server.detokenize)):
+                            ("/detokenize", DetokenizeRequest, server.detokenize),
+                            *PoolingEndpoints(engine, served_model_name, _unless_disconnected, _gather).routes()):
         app.post(path)(endpoint(body, run))
 
     app.state.drain = Drain()  # what shutdown.serve waits on, and tells to refuse new requests
@@ -181,6 +184,7 @@ class _Server:
         if not self.engine.healthy:
             raise APIError(500, f"the engine is not running: {self.engine.error!r}")
         try:
+            check_task(self.engine.config.task, request.url.path)  # (pooling.py: a 400 naming model)
             return await run(request, parsed)
         except InvalidRequestError as e:  # refused by SamplingParams, the engine, or a message's content
             param, message = _api_param(e.field, parsed), str(e)
