@@ -14,17 +14,19 @@ import torch
 
 from mini_infer.paths import cache_dir
 
-# What mini-infer builds or writes once (compiled kernels, autotune tables, the tokenizer, the default model) goes to
-# a cache of this test run's own, so that no result depends on what a developer's cache holds; the peers' set-ups
-# (llama.cpp, vLLM's CPU build: minutes each) and the real clients' installs (the Codex CLI, the Agents SDK), all
-# outside the project's code, are lent from the user's cache (the clients' are kept there for the next run).
+# What mini-infer writes once (autotune tables, the tokenizer, the default model) goes to a cache of this test run's
+# own, so that no result depends on what a developer's cache holds. Lent from the user's cache instead: the peers'
+# set-ups (llama.cpp, vLLM's CPU build: minutes each) and the real clients' installs (the Codex CLI, the Agents SDK),
+# all outside the project's code, and the compiled kernels, each named by a hash of its source, headers, flags and
+# compiler (kernels/build.py), so that a library is only ever the build of the code it is tested as; the clients'
+# installs and the kernels are kept there for the next run (the kernels take ~45 s to build on two cores).
 _USER_PEERS = cache_dir() / "peers"
-_USER_CLIENTS = cache_dir() / "clients"
 TEST_CACHE = Path(tempfile.mkdtemp(prefix="mini-infer-test-cache-"))
 if _USER_PEERS.is_dir():
     (TEST_CACHE / "peers").symlink_to(_USER_PEERS)
-_USER_CLIENTS.mkdir(parents=True, exist_ok=True)
-(TEST_CACHE / "clients").symlink_to(_USER_CLIENTS)
+for _kept in ("clients", "kernels"):
+    (cache_dir() / _kept).mkdir(parents=True, exist_ok=True)
+    (TEST_CACHE / _kept).symlink_to(cache_dir() / _kept)
 os.environ["MINI_INFER_CACHE"] = str(TEST_CACHE)
 
 
