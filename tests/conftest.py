@@ -30,6 +30,14 @@ for _kept in ("clients", "kernels"):
 os.environ["MINI_INFER_CACHE"] = str(TEST_CACHE)
 
 
+def pytest_collection_finish(session):
+    """The real clients' installs start as soon as their tests are collected (tests/test_clients.py)."""
+    if any(item.nodeid.startswith("tests/test_clients.py") for item in session.items):
+        from tests.test_clients import start_installs
+
+        start_installs()
+
+
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(TEST_CACHE, ignore_errors=True)
 

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch
@@ -62,42 +63,71 @@ def server(ending_model_dir):
     engine.shutdown()
 
 
-def _install(what: str, command: list[str], done) -> None:
-    """Run an install command once (`done` tells whether it is in place); skip the test if it cannot."""
-    if done():
-        return
+def _run(what: str, command: list[str]) -> str | None:
+    """Run an install command: None if it succeeded, else why not."""
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.TimeoutExpired) as e:
-        pytest.skip(f"cannot install {what}: {e}")
-    if result.returncode != 0 or not done():
-        pytest.skip(f"cannot install {what}: {result.stderr.strip()[-300:]}")
+        return f"cannot install {what}: {e}"
+    return None if result.returncode == 0 else f"cannot install {what}: {result.stderr.strip()[-300:]}"
+
+
+def _install_codex() -> tuple[str | None, str | None]:
+    """(the codex binary, None), or (None, why it cannot be installed)."""
+    root = cache_dir() / "clients" / f"codex-{CODEX_VERSION}"
+    binary = root / "node_modules" / ".bin" / "codex"
+    if not binary.exists():
+        if shutil.which("npm") is None:
+            return None, "cannot install the Codex CLI: npm is not on PATH"
+        why = _run(f"@openai/codex@{CODEX_VERSION}", ["npm", "install", "--no-audit", "--no-fund", "--prefix",
+                                                     str(root), f"@openai/codex@{CODEX_VERSION}"])
+        if why is not None:
+            return None, why
+    return str(binary), None
+
+
+def _install_agents() -> tuple[str | None, str | None]:
+    """(the python of a venv with openai-agents, None), or (None, why it cannot be installed)."""
+    venv = cache_dir() / "clients" / f"openai-agents-{AGENTS_VERSION}"
+    python, marker = venv / "bin" / "python", venv / ".installed"  # the marker: written once the install succeeded
+    if not marker.exists():
+        why = _run("a venv", [sys.executable, "-m", "venv", "--clear", str(venv)]) or _run(
+            f"openai-agents=={AGENTS_VERSION}", [str(python), "-m", "pip", "install", "-q",
+                                                 f"openai-agents=={AGENTS_VERSION}"])
+        if why is not None:
+            return None, why
+        marker.touch()
+    return str(python), None
+
+
+_installs: dict[str, Future] = {}
+
+
+def start_installs() -> None:
+    """Install both clients in the background (conftest starts this as the session begins, when these tests are
+    collected: the downloads then overlap the tests that run before)."""
+    if not _installs:
+        pool = ThreadPoolExecutor(max_workers=2)
+        _installs.update(codex=pool.submit(_install_codex), agents=pool.submit(_install_agents))
+        pool.shutdown(wait=False)
+
+
+def _installed(name: str) -> str:
+    start_installs()
+    path, why = _installs[name].result()
+    if path is None:
+        pytest.skip(why)
+    return path
 
 
 @pytest.fixture(scope="module")
 def codex() -> str:
-    root = cache_dir() / "clients" / f"codex-{CODEX_VERSION}"
-    binary = root / "node_modules" / ".bin" / "codex"
-    if shutil.which("npm") is None:
-        pytest.skip("cannot install the Codex CLI: npm is not on PATH")
-    _install(f"@openai/codex@{CODEX_VERSION}", ["npm", "install", "--no-audit", "--no-fund", "--prefix", str(root),
-                                               f"@openai/codex@{CODEX_VERSION}"], binary.exists)
-    return str(binary)
+    return _installed("codex")
 
 
 @pytest.fixture(scope="module")
 def agents_python() -> str:
-    venv = cache_dir() / "clients" / f"openai-agents-{AGENTS_VERSION}"
-    python = venv / "bin" / "python"
-
-    marker = venv / ".installed"  # written once the install succeeded
-    if not marker.exists():
-        _install("a venv", [sys.executable, "-m", "venv", "--clear", str(venv)], python.exists)
-        _install(f"openai-agents=={AGENTS_VERSION}", [str(python), "-m", "pip", "install", "-q",
-                                                     f"openai-agents=={AGENTS_VERSION}"],
-                 lambda: subprocess.run([str(python), "-c", "import agents"], capture_output=True).returncode == 0)
-        marker.touch()
-    return str(python)
+    return _installed("agents")
 
 
 def test_codex_exec_runs_to_completion(server, codex, tmp_path):
