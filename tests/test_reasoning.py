@@ -5,14 +5,14 @@ streamed (in any chunking) as whole; chat completions return it as reasoning_con
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mini_infer.entrypoints.openai.api_server import load_chat_template
 from mini_infer.entrypoints.openai.reasoning import ReasoningStream
-from tests.test_server import ENGINE_ARGS, post, start
+from tests.test_server import ENGINE_ARGS, post, serving
+from tests.test_server import client as openai_client
 from tests.test_tool_calls import _literal
 
 KEY = "sk-reasoning"
@@ -75,15 +75,13 @@ def test_the_qwen3_template_has_the_thinking_switch(qwen3_model_dir):
 
 @pytest.fixture(scope="module")
 def served(qwen3_model_dir):
-    engine, server = start(qwen3_model_dir, api_key=KEY, reasoning_parser="qwen3")
-    with server:
-        yield engine, server
-    engine.shutdown()
+    with serving(qwen3_model_dir, api_key=KEY, reasoning_parser="qwen3") as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")
 def client(served):
-    return openai.OpenAI(base_url=served[1].url + "/v1", api_key=KEY)
+    return openai_client(served[1], KEY)
 
 
 def _forced(text: str, **extra) -> dict:
@@ -120,7 +118,7 @@ def test_chat_template_kwargs_reach_the_template(served):
                headers).json()
     assert off["tokens"][: on["count"]] == on["tokens"]
     assert off["tokens"][on["count"]:] == [151667, 271, 151668, 271]  # <think>\n\n</think>\n\n
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY)
+    client = openai_client(server, KEY)
     answer = client.chat.completions.create(model=None, messages=ASK, max_tokens=3, temperature=0,
                                             extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert answer.usage.prompt_tokens == off["count"]
@@ -143,11 +141,9 @@ def test_chat_template_option_replaces_the_tokenizers(qwen3_model_dir, tmp_path)
     assert load_chat_template("{{ messages }}") == "{{ messages }}"
     with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
         load_chat_template(str(tmp_path / "missing.jinja"))
-    engine, server = start(qwen3_model_dir, chat_template=load_chat_template(str(path)))
-    with server:
+    with serving(qwen3_model_dir, chat_template=load_chat_template(str(path))) as (_, server):
         reply = httpx.post(server.url + "/tokenize", json={"messages": ASK, "return_token_strs": True}, timeout=60)
         text = httpx.post(server.url + "/detokenize", json={"tokens": reply.json()["tokens"]}, timeout=60).json()
-    engine.shutdown()
     assert text["prompt"] == "[user] Why is the sky blue?\n"
 
 

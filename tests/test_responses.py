@@ -13,9 +13,11 @@ import pytest
 from mini_infer.entrypoints.openai.reasoning import ReasoningStream
 from mini_infer.entrypoints.openai.responses import ResponseOutput, input_messages
 from mini_infer.entrypoints.openai.tools import ToolChoice
-from tests.test_server import MODEL_NAME, post, start, wait_for
+from tests.test_server import MODEL_NAME, post, serving, wait_for
+from tests.test_server import client as openai_client
 
 KEY = "sk-responses"
+
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
                           "properties": {"city": {"enum": ["Paris", "Rome"]}}}}
@@ -26,15 +28,13 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", 
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir):
-    engine, server = start(tiny_model_dir, api_key=KEY)
-    with server:
-        yield engine, server
-    engine.shutdown()
+    with serving(tiny_model_dir, api_key=KEY) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")
 def client(served):
-    return openai.OpenAI(base_url=served[1].url + "/v1", api_key=KEY)
+    return openai_client(served[1], KEY)
 
 
 def _headers() -> dict:

@@ -3,6 +3,8 @@ concurrent streaming against offline LLM.generate, disconnects, every error case
 
 from __future__ import annotations
 
+import contextlib
+
 import asyncio
 import json
 import socket
@@ -60,12 +62,21 @@ def start(model_dir, **app_args):
     return engine, ServerThread(build_app(engine, MODEL_NAME, **app_args))
 
 
+@contextlib.contextmanager
+def serving(model_dir, **app_args):
+    """(engine, server) of start() for the block: the server running, the engine shut down after."""
+    engine, server = start(model_dir, **app_args)
+    try:
+        with server:
+            yield engine, server
+    finally:
+        engine.shutdown()
+
+
 @pytest.fixture(scope="module")
 def served(tiny_model_dir):
-    engine, server = start(tiny_model_dir, api_key=API_KEY, max_body_bytes=64 * 1024)
-    with server:
-        yield engine, server
-    engine.shutdown()
+    with serving(tiny_model_dir, api_key=API_KEY, max_body_bytes=64 * 1024) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +125,8 @@ def greedy_offline(offline, prompt, max_tokens: int):
 
 # ---- the official openai client ----
 
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+def client(server, api_key: str = API_KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=api_key, max_retries=0)
 
 
 def test_openai_client_completions(served, offline):

@@ -11,7 +11,6 @@ import json
 import random
 from concurrent.futures import ThreadPoolExecutor
 
-import openai
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,7 +19,8 @@ from mini_infer.entrypoints.openai.api_server import add_serve_args, build_app
 from mini_infer.entrypoints.openai.choices import ChatChoices
 from mini_infer.entrypoints.openai.tools import JsonEcho, ToolChoice, ToolStream, check_tool_call_parser, merge
 from mini_infer.factory.tokenizer import CHAT_TEMPLATE
-from tests.test_server import MODEL_NAME, ServerThread, post, start
+from tests.test_server import MODEL_NAME, ServerThread, post, serving
+from tests.test_server import client as openai_client
 
 KEY = "sk-tools"
 WEATHER = {"type": "function", "function": {
@@ -45,15 +45,13 @@ CALL_TEXT = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir):
-    engine, server = start(tiny_model_dir, api_key=KEY)
-    with server:
-        yield engine, server
-    engine.shutdown()
+    with serving(tiny_model_dir, api_key=KEY) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")
 def client(served):
-    return openai.OpenAI(base_url=served[1].url + "/v1", api_key=KEY)
+    return openai_client(served[1], KEY)
 
 
 def _args(call) -> dict:
@@ -452,7 +450,7 @@ LLAMA3_TEXT = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Ro
 def llama3_client(served):
     """A server with --tool-call-parser llama3_json, on the same engine."""
     with ServerThread(build_app(served[0], MODEL_NAME, api_key=KEY, tool_call_parser="llama3_json")) as server:
-        yield openai.OpenAI(base_url=server.url + "/v1", api_key=KEY)
+        yield openai_client(server, KEY)
 
 
 def test_llama3_json_parses_the_models_tool_calls(llama3_client):
