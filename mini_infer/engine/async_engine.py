@@ -244,7 +244,7 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if command[0] == "add":
-                stream, added = command[4], command[5]
+                stream, added = command[3], command[4]  # ("add", request_id, processed, stream, added)
                 stream.call(_settle, added, error)
 
 
