@@ -467,6 +467,9 @@ class EngineConfig:
     # Decode steps replay CUDA graphs captured per padded batch size (runner/graphs.py) where the Triton kernels run;
     # True runs every step eagerly (vLLM's name).
     enforce_eager: bool = False
+    # Batch-invariant numerics (docs/decisions/023): a request's tokens and logprobs do not depend on what else runs
+    # in its steps, how its prompt was chunked, whether it was preempted or its prefix cached. Native CPU kernels only.
+    deterministic: bool = False
     # None (the checkpoint's dtype, or its quantization_config's method), int8 or int4 (weight-only, quantised at
     # load), gptq or awq (a checkpoint quantised so).
     quantization: str | None = None
@@ -541,12 +544,27 @@ class EngineConfig:
                                  "group-wise int8 CPU matmul): it needs cpu_kernels 'auto' or 'on' and a bfloat16 or "
                                  f"float32 model, not cpu_kernels {self.cpu_kernels!r} with {self.torch_dtype}")
         self._check_gpu_kernels()
+        self._check_deterministic()
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             _positive(name, getattr(self, name))
         _check_parallel_split(self.model_config, self.tensor_parallel_size, self.pipeline_parallel_size)
         if self.pooler is not None and self.pipeline_parallel_size != 1:
             raise ValueError(f"task {self.task} runs in one pipeline stage (its pooling reads the last stage's hidden "
                              f"states on rank 0), got pipeline_parallel_size {self.pipeline_parallel_size}")
+
+    def _check_deterministic(self) -> None:
+        """Deterministic mode runs on the native CPU kernels (the ones whose reduction order mini-infer controls);
+        where they cannot run, it is refused here rather than run without its promise."""
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic must be true or false, got {self.deterministic!r}")
+        if not self.deterministic:
+            return
+        if torch.device(self.device).type != "cpu" or self.torch_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"deterministic runs bfloat16 or float32 models on the CPU (mini-infer's native kernels), "
+                             f"not {self.torch_dtype} on {self.device}; the GPU kernels are not batch-invariant yet")
+        if self.cpu_kernels == "off":
+            raise ValueError("deterministic needs the native CPU kernels (cpu_kernels 'auto' or 'on'), got "
+                             "cpu_kernels 'off': torch's matmuls reduce in an order that depends on the batch")
 
     def _check_gpu_kernels(self) -> None:
         if self.gpu_kernels not in GPU_KERNEL_MODES:

@@ -62,6 +62,7 @@ class EngineArgs:
     cpu_kernels: str = _default("cpu_kernels")
     gpu_kernels: str = _default("gpu_kernels")
     enforce_eager: bool = _default("enforce_eager")
+    deterministic: bool = _default("deterministic")
     # parallelism
     tensor_parallel_size: int = _default("tensor_parallel_size")
     pipeline_parallel_size: int = _default("pipeline_parallel_size")
@@ -101,6 +102,10 @@ class EngineArgs:
                                  "device; on: also in Triton's interpreter on the CPU, for tests; off: torch ops)")
         parser.add_argument("--enforce-eager", action="store_true",
                             help="run every step eagerly: no CUDA graphs for decode steps (README: GPU)")
+        parser.add_argument("--deterministic", action="store_true",
+                            help="batch-invariant numerics: a request's tokens and logprobs (greedy or seeded) are "
+                                 "the same alone or in any batch, under preemption, at any chunk budget, with or "
+                                 "without a prefix-cache hit (native CPU kernels; README: Reproducibility)")
         parser.add_argument("--quantization", default=None,
                             choices=[*QUANTIZATION_METHODS, *CHECKPOINT_QUANTIZATION],
                             help="weight-only quantisation at load, of every projection and the LM head: int8 "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import math
 import os
 import statistics
 import sys
@@ -82,10 +83,12 @@ class LinearTuner:
     """Per weight shape, the faster candidate for every bucket, timed on first use and kept in the cache file."""
 
     def __init__(self, key: str, timer: Callable[[str, int, int, int], float], candidates: tuple[str, ...],
-                 path: Path | None = None) -> None:
-        """timer(candidate, rows, out_features, in_features) -> the ms of one call, for each of `candidates`."""
+                 path: Path | None = None, arithmetic: Callable[[str], str] | None = None) -> None:
+        """timer(candidate, rows, out_features, in_features) -> the ms of one call, for each of `candidates`.
+        arithmetic (deterministic mode): candidate -> its arithmetic (cpu.MatmulPath.arithmetic); every bucket of a
+        weight shape then takes a candidate of one arithmetic, so a row's numbers do not depend on the row count."""
         assert set(candidates) <= set(CANDIDATES), candidates
-        self.timer, self.candidates = timer, candidates
+        self.timer, self.candidates, self.arithmetic = timer, candidates, arithmetic
         self.path = path or cache_dir() / "autotune" / f"linear-{key}.json"
         self._table: dict[str, list[str]] = self._load()
 
@@ -105,22 +108,24 @@ class LinearTuner:
         if name not in self._table:
             print(f"[mini-infer] timing the matmul paths for a {out_features} x {in_features} weight once "
                   f"(cached in {self.path.parent})", file=sys.stderr)
-            self._table[name] = [self._fastest(rows, out_features, in_features) for rows in BUCKETS]
+            medians = [self._medians(rows, out_features, in_features) for rows in BUCKETS]
+            self._table[name] = ([min(m, key=m.get) for m in medians] if self.arithmetic is None
+                                 else one_arithmetic(medians, self.arithmetic))
             self._save()
         return tuple(self._table[name])
 
-    def _fastest(self, rows: int, out_features: int, in_features: int) -> str:
-        """The candidate with the lowest median time: each called once to warm it (first-touch pages, oneDNN's
-        primitive cache), then timed in rounds that call every candidate in turn. The machine's speed drifts within
-        seconds (a neighbour's burst once made the slower of two LM-head matmuls win by 50 %); interleaved, the
-        drift falls on every candidate alike."""
+    def _medians(self, rows: int, out_features: int, in_features: int) -> dict[str, float]:
+        """Each candidate's median time: each called once to warm it (first-touch pages, oneDNN's primitive cache),
+        then timed in rounds that call every candidate in turn. The machine's speed drifts within seconds (a
+        neighbour's burst once made the slower of two LM-head matmuls win by 50 %); interleaved, the drift falls on
+        every candidate alike."""
         warm = [self.timer(c, rows, out_features, in_features) for c in self.candidates]
         rounds = _SLOW_ROUNDS if max(warm) > 1000 * _SLOW_S else _ROUNDS
         samples: dict[str, list[float]] = {c: [] for c in self.candidates}
         for _ in range(rounds):
             for candidate in self.candidates:
                 samples[candidate].append(self.timer(candidate, rows, out_features, in_features))
-        return min(self.candidates, key=lambda c: statistics.median(samples[c]))
+        return {c: statistics.median(samples[c]) for c in self.candidates}
 
     def choices(self) -> dict[str, list[str]]:
         """Per weight shape ("NxK") timed so far, the winner of every bucket (BUCKETS), for reports."""
@@ -137,6 +142,19 @@ class LinearTuner:
             with os.fdopen(fd, "w") as f:
                 json.dump(self._table, f, indent=1)
             os.replace(tmp, self.path)
+
+
+def one_arithmetic(medians: list[dict[str, float]], arithmetic: Callable[[str], str]) -> list[str]:
+    """Per bucket (medians: each bucket's candidate -> ms), the fastest candidate of the one arithmetic that costs
+    least over all the buckets: the lowest geometric mean of its best time over the bucket's best."""
+    def best(times: dict[str, float], kind: str) -> str:
+        return min((c for c in times if arithmetic(c) == kind), key=times.get)
+
+    def cost(kind: str) -> float:
+        return sum(math.log(times[best(times, kind)] / min(times.values())) for times in medians)
+
+    chosen = min(sorted({arithmetic(c) for c in medians[0]}), key=cost)
+    return [best(times, chosen) for times in medians]
 
 
 def describe_choices(choices: dict[str, list[str]]) -> list[str]:

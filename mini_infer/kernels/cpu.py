@@ -113,6 +113,10 @@ OPTIONAL = ("argmax_rows", "top_k_rows", "mask_rows", "decode_layers", "shm_allr
 class MatmulPath:
     kernels: dict[torch.dtype, tuple[str, str]]  # weight dtype -> (the layout the path reads, its kernel)
     prefetch: int | None  # the AVX-512 kernels' weight prefetch: NEAR or FAR (cpu_gemm_avx512.cpp); avx2, amx: none
+    # Paths of one arithmetic give the same numbers bit for bit, whatever the row count: each output is its row's
+    # products summed in k order into one float32 accumulator (fma32: the AVX2 and AVX-512F kernels), or by bf16
+    # pairs (dpbf16), or by AMX tiles; prefetching changes no number. Deterministic mode keeps one per weight shape.
+    arithmetic: str
 
 
 NEAR, FAR = 0, 1
@@ -125,12 +129,12 @@ _AVX512_BF16 = {torch.bfloat16: ("pairs", "gemm_avx512bf16")}
 # level the weight streams are prefetched (NEAR: L1, 64 k steps, tuned on an AVX-512 Xeon; FAR: L2, 512, faster at
 # 1-32 rows on a Zen 4 EPYC, where NEAR streamed slower than no prefetch): the CPU decides, so the autotuner times both.
 MATMUL_PATHS = {
-    "avx2": MatmulPath({torch.float32: ("panels", "gemm"), torch.bfloat16: ("panels", "gemm")}, None),
-    "avx512": MatmulPath(_AVX512, NEAR),
-    "avx512/far": MatmulPath(_AVX512, FAR),
-    "avx512_bf16": MatmulPath(_AVX512_BF16, NEAR),
-    "avx512_bf16/far": MatmulPath(_AVX512_BF16, FAR),
-    "amx_bf16": MatmulPath({torch.bfloat16: ("pairs", "gemm_amx")}, None),
+    "avx2": MatmulPath({torch.float32: ("panels", "gemm"), torch.bfloat16: ("panels", "gemm")}, None, "fma32"),
+    "avx512": MatmulPath(_AVX512, NEAR, "fma32"),
+    "avx512/far": MatmulPath(_AVX512, FAR, "fma32"),
+    "avx512_bf16": MatmulPath(_AVX512_BF16, NEAR, "dpbf16"),
+    "avx512_bf16/far": MatmulPath(_AVX512_BF16, FAR, "dpbf16"),
+    "amx_bf16": MatmulPath({torch.bfloat16: ("pairs", "gemm_amx")}, None, "amx"),
 }
 
 

@@ -29,6 +29,10 @@ class AttentionMetadata:
     # tokens any request computes (it sizes the kernel's grid).
     query_start: torch.Tensor | None = None
     max_query_len: int = 1
+    # Deterministic mode, a step with prompt chunks: each token's block-table row [num_tokens, max_blocks] and context
+    # length (its position + 1). Every query then runs through the decode kernel, which reduces a token's context in
+    # one order whether the token is decoded, prefilled in any chunk or recomputed after preemption.
+    token_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -53,8 +57,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     The leading single-token requests (decodes) go through `decode` (q, k_cache, v_cache, block_tables,
     context_lens) in one batch, torch's by default; the others one by one, through `prefill` (torch's SDPA by
-    default)."""
+    default). With meta.token_rows every token goes through `decode`, as a row of its own."""
     decode, prefill = decode or decode_attention, prefill or prefill_attention
+    if meta.token_rows is not None:
+        return decode(q, k_cache, v_cache, *meta.token_rows)
     d = meta.num_decodes
     if d == meta.num_reqs:
         return decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens)

@@ -235,10 +235,13 @@ def select_backend(config: EngineConfig, device: torch.device) -> Ops | TritonOp
         if mode == "on":
             raise ValueError(f"gpu_kernels 'on' but {reason}")
         return Ops(False, f"torch ops ({reason})", dtype=dtype)
-    return select_ops(config.cpu_kernels, dtype, device, config.quantization)
+    return select_ops(config.cpu_kernels, dtype, device, config.quantization, config.deterministic)
 
 
-def select_ops(mode: str, dtype: torch.dtype, device: str | torch.device, quantization: str | None = None) -> Ops:
+def select_ops(mode: str, dtype: torch.dtype, device: str | torch.device, quantization: str | None = None,
+               deterministic: bool = False) -> Ops:
+    """deterministic: the native kernels or an error (never torch's matmuls, whose reduction order depends on the
+    row count), and the autotuner keeps one arithmetic per weight shape (LinearTuner's `arithmetic`)."""
     assert mode in CPU_KERNEL_MODES, mode  # EngineConfig validated it
     # int4 without the native kernels runs torch's int4 matmul; int8 and pre-quantised checkpoints have none
     # (EngineConfig refuses those without the native kernels).
@@ -256,9 +259,10 @@ def select_ops(mode: str, dtype: torch.dtype, device: str | torch.device, quanti
                   *({kernel for kernel, _ in quant.QUANT_KERNELS.values()} if quantization else ())])
     reason = cpu.unavailable_reason()
     if reason is not None:
-        if mode == "on" or quantization not in (None, "int4"):
-            raise ValueError(f"cpu_kernels {mode!r}{f' with {quantization} weights' if quantization else ''} but the "
-                             f"native kernels are unavailable: {reason}")
+        if mode == "on" or quantization not in (None, "int4") or deterministic:
+            needs = " with deterministic" if deterministic else ""
+            raise ValueError(f"cpu_kernels {mode!r}{f' with {quantization} weights' if quantization else ''}{needs} "
+                             f"but the native kernels are unavailable: {reason}")
         warnings.warn(f"native CPU kernels unavailable ({reason}); the model runs {torch_matmul}", stacklevel=2)
         return Ops(False, f"{weights}{torch_matmul} (native CPU kernels unavailable: {reason})",
                    quantization=quantization, dtype=dtype)
@@ -281,15 +285,22 @@ def select_ops(mode: str, dtype: torch.dtype, device: str | torch.device, quanti
                    quant_path=quant_paths[-1] if quant_paths else "avx2", dtype=dtype, optional=optional)
     # torch's matmul is a candidate wherever it computes the same weights: always for float weights, for int4 ones
     # through its int4 kernel (int8 groups it has none for).
-    tuner = LinearTuner(machine_key(dtype, cpu.gemm_source()), _LinearTimer(dtype), (*float_paths, "torch"))
+    invariant = "\0batch-invariant" if deterministic else ""  # its own table: other candidates, other rule
+    tuner = LinearTuner(machine_key(dtype, cpu.gemm_source() + invariant), _LinearTimer(dtype),
+                        float_paths if deterministic else (*float_paths, "torch"),
+                        arithmetic=(lambda path: cpu.MATMUL_PATHS[path].arithmetic) if deterministic else None)
     quant_timer = None
     if quantization is not None:
         def quant_timer(scheme: quant.Scheme) -> LinearTuner:
-            torch_int4 = ("torch",) if quant.torch_int4_available(scheme, dtype) is None else ()
-            return LinearTuner(machine_key(dtype, quant.kernel_source(scheme)), _LinearTimer(dtype, scheme),
-                               (*quant_paths, *torch_int4))
+            torch_int4 = ("torch",) if quant.torch_int4_available(scheme, dtype) is None and not deterministic else ()
+            # A quantised kernel's builds sum a group's x in vectors of their own width: one build per weight shape.
+            return LinearTuner(machine_key(dtype, quant.kernel_source(scheme) + invariant),
+                               _LinearTimer(dtype, scheme), (*quant_paths, *torch_int4),
+                               arithmetic=(lambda path: quant.QUANT_KERNELS[path][0]) if deterministic else None)
     candidates = ", ".join(quant_paths if quantization else float_paths)
     torch_named = {None: " and torch's matmul", "int4": " and torch's int4 matmul"}.get(quantization, "")
+    if deterministic:
+        torch_named = " in one arithmetic (batch-invariant)"
     return Ops(True, f"native CPU kernels ({weights}paged decode attention; per weight shape and batch size, the "
                      f"fastest of {candidates}{torch_named}, timed once: {tuner.path.parent}){lacking}", tuner,
                quantization=quantization, quant_timer=quant_timer, dtype=dtype, optional=optional)

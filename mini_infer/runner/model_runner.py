@@ -49,7 +49,8 @@ class ModelRunner:
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.max_blocks_per_seq,
                                       config.block_size)
         self.sampler = Sampler(mc.vocab_size, device, config.seed, self.ops.argmax, self.ops.top_k,
-                               self.ops.mask_rows) if comm.rank == 0 and config.pooler is None else None
+                               self.ops.mask_rows, invariant=config.deterministic) \
+            if comm.rank == 0 and config.pooler is None else None
         self.pooler = Pooler(config.task, config.pooler, mc.hidden_size, config.max_num_seqs, config.torch_dtype,
                              device) if comm.rank == 0 and config.pooler is not None else None
         self.graphs: DecodeGraphs | None = None
@@ -106,7 +107,8 @@ class ModelRunner:
                        else SamplerOutput([], []))
             if inputs.prompt_owners:
                 sampled.prompt_logprobs = prompt_logprobs(logits[num_sampled:], inputs.prompt_targets,
-                                                          inputs.prompt_owners, self.sampler.vocab_size)
+                                                          inputs.prompt_owners, self.sampler.vocab_size,
+                                                          self.sampler.largest)
             return sampled
 
     @torch.inference_mode()
@@ -126,6 +128,8 @@ class ModelRunner:
             meta.query_start = torch.tensor(starts, dtype=torch.int32).to(**to)
             meta.max_query_len = max(end - start for start, end in zip(starts[step.num_decodes:],
                                                                        starts[step.num_decodes + 1:]))
+            if self.config.deterministic:
+                meta.token_rows = _token_rows(step, to)
         comm, shard = self.comm, self.comm.shard
         if shard.first_stage:
             inputs = step.input_ids.to(**to)
@@ -169,6 +173,13 @@ class ModelRunner:
             stats["decode_graphs"] = {"sizes": self.graph_report.sizes, "capture_s": self.graph_report.seconds,
                                       "memory_bytes": self.graph_report.memory_bytes}
         return stats
+
+
+def _token_rows(step: StepInputs, to: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's block-table row and context length (its position + 1): AttentionMetadata.token_rows."""
+    owner = torch.repeat_interleave(torch.arange(len(step.context_lens_host)),
+                                    torch.tensor(step.query_start_loc).diff())
+    return step.block_tables[owner].to(**to), (step.positions + 1).to(**to)
 
 
 def _unique_tensors(model: torch.nn.Module) -> list[torch.Tensor]:

@@ -19,6 +19,7 @@ Logprobs are those of the raw model logits.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,10 +37,28 @@ TopK = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[
 # [R, words]) -> the logits, the rows' forbidden tokens set to -inf in place.
 MaskRows = Callable[[torch.Tensor, list[int], torch.Tensor], torch.Tensor]
 
+# Each row's k largest entries of x [R, C], best first: (values, ids) [R, k].
+Largest = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def torch_largest(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.topk(k, dim=-1)
+
+
+def ties_to_lower_ids(top_k: TopK) -> Largest:
+    """Largest through the native top-k, which puts equal values in id order whatever the batch's shape (torch.topk
+    orders equals as it splits the work: a bfloat16 model's tied logprobs came out in another order alone)."""
+    def largest(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        none = torch.zeros(x.shape[0], 0, dtype=torch.int64, device=x.device)
+        return top_k(x, torch.full((x.shape[0],), k, dtype=torch.int64, device=x.device), none,
+                      none.to(torch.float32))
+    return largest
+
+
 # Per-slot parameter rows: name -> the value a request's SamplingParams gives it.
 _ROWS = {
     "temperature": lambda p: 1.0 if p.greedy else p.temperature,
-    "min_p": lambda p: p.min_p,
+    "log_min_p": lambda p: math.log(p.min_p) if p.min_p > 0 else -math.inf,  # on the host: one rounding, any batch
     "top_p": lambda p: p.top_p,
     "repetition": lambda p: p.repetition_penalty,
     "frequency": lambda p: p.frequency_penalty,
@@ -58,14 +77,15 @@ class SamplerOutput:
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, owners: list[tuple[str, int, int, int]],
-                    vocab_size: int) -> dict[str, tuple[int, list[tuple[int, float, int, list[int], list[float]]]]]:
+                    vocab_size: int, largest: Largest = torch_largest,
+                    ) -> dict[str, tuple[int, list[tuple[int, float, int, list[int], list[float]]]]]:
     """Log-softmax of the prompt rows' logits [P, >= vocab] (float32 at least), each row's target token's logprob
     and rank, and the top-N of each owner's rows (owners: request id, first position, rows, N; in row order)."""
     rows = torch.log_softmax(logits[:, :vocab_size].to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
     chosen = rows.gather(1, targets[:, None])[:, 0]
     ranks = ((rows > chosen[:, None]).sum(dim=-1) + 1).tolist()
     num_top = max(n for *_, n in owners)
-    top_values, top_ids = rows.topk(num_top, dim=-1) if num_top else (rows[:, :0], rows[:, :0].long())
+    top_values, top_ids = largest(rows, num_top) if num_top else (rows[:, :0], rows[:, :0].long())
     chosen, top_values, top_ids, targets = chosen.tolist(), top_values.tolist(), top_ids.tolist(), targets.tolist()
     result, at = {}, 0
     for request_id, first, count, n in owners:
@@ -78,8 +98,16 @@ def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, owners: list[tu
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device, seed: int,
                  argmax: Callable[[torch.Tensor], torch.Tensor] | None = None, top_k: TopK | None = None,
-                 mask_rows: MaskRows | None = None) -> None:
+                 mask_rows: MaskRows | None = None, invariant: bool = False) -> None:
+        """invariant (deterministic mode): every sampled row takes the full path with candidates of one width,
+        so that a row's draw never depends on the rest of its batch (the top-k path's width is the batch's largest
+        top_k)."""
         self.vocab_size = vocab_size
+        self.invariant = invariant
+        if invariant and top_k is None:
+            raise ValueError("deterministic needs the native top-k kernel (top_k_rows): torch.topk orders equal "
+                             "values differently in different batches")
+        self.largest = ties_to_lower_ids(top_k) if invariant else torch_largest
         self.argmax = argmax or (lambda x: x.argmax(dim=-1))  # rows [R, V] -> int64 [R]; the runner's may be native
         self.top_k = top_k
         self.mask_rows = mask_rows
@@ -176,7 +204,7 @@ class Sampler:
         wants_logprobs = any(p.logprobs is not None for p in params)
         if not edits and not wants_logprobs:  # plain greedy: the argmax of the logits as they are
             return SamplerOutput(self.argmax(logits[:, : self.vocab_size]).tolist(), [None] * len(params))
-        if (self.top_k is not None and not wants_logprobs and not biased and grammar is None
+        if (self.top_k is not None and not self.invariant and not wants_logprobs and not biased and grammar is None
                 and all(p.greedy or self._kept(p) <= CANDIDATES for p in params)):
             return SamplerOutput(self._sample_top_k(logits, slots, params).tolist(), [None] * len(params))
         work = logits[:, : self.vocab_size].to(torch.promote_types(logits.dtype, torch.float32), copy=edits)
@@ -192,7 +220,7 @@ class Sampler:
             tokens = self.argmax(work)
         else:
             tokens = self._sample(work, slots, params)
-        return SamplerOutput(tokens.tolist(), _gather_logprobs(raw_logprobs, tokens, params))
+        return SamplerOutput(tokens.tolist(), _gather_logprobs(raw_logprobs, tokens, params, self.largest))
 
     def apply_grammar(self, logits: torch.Tensor, grammar: GrammarBitmask) -> torch.Tensor:
         """The structured-output bitmask, in place: natively over float32 logits where the runner has the kernel."""
@@ -267,7 +295,7 @@ class Sampler:
             picked = index[rows]
             scaled = values[rows].to(dtype) / self._rows["temperature"][picked].to(dtype)[:, None]
             filters = _Filters(self._top_k[picked], self._rows["top_p"][picked].to(dtype),
-                               self._rows["min_p"][picked].to(dtype).log())
+                               self._rows["log_min_p"][picked].to(dtype))
             threshold = scaled[:, 0] + filters.log_min_p  # the row's maximum is its first candidate
             tokens[rows], _ = _draw_candidates(scaled, ids[rows], threshold, filters, self._uniforms(
                 [slots[i] for i in rows]), self.vocab_size)
@@ -286,10 +314,10 @@ class Sampler:
         if greedy:
             tokens[greedy] = self.argmax(logits[greedy])
         picked = index[rows]
-        filters = _Filters(self._top_k[picked], column("top_p", picked), column("min_p", picked).log())
+        filters = _Filters(self._top_k[picked], column("top_p", picked), column("log_min_p", picked))
         kinds = [self._draw_kind(params[i]) for i in rows]
         tokens[rows] = _draw(logits[rows] if greedy else logits, filters, self._uniforms([slots[i] for i in rows]),
-                             kinds, [self._kept(params[i]) for i in rows])
+                             kinds, [self._kept(params[i]) for i in rows], self.largest if self.invariant else None)
         return tokens
 
     def _draw_kind(self, params: SamplingParams) -> str:
@@ -340,15 +368,19 @@ class _Filters:
         return _Filters(self.top_k[index], self.top_p[index], self.log_min_p[index])
 
 
-def _draw(scaled: torch.Tensor, filters: _Filters, u: torch.Tensor, kinds: list[str],
-          kept: list[int]) -> torch.Tensor:
+def _draw(scaled: torch.Tensor, filters: _Filters, u: torch.Tensor, kinds: list[str], kept: list[int],
+          invariant: Largest | None = None) -> torch.Tensor:
     """Sample a token per row of temperature-scaled logits, after min_p, top_k and top_p, by inverse CDF.
 
     Rows are grouped by their kind (Sampler._draw_kind, known on the host, so no value on the device decides a branch):
     top_k rows draw from their top-k likeliest tokens, found without a sort of the vocabulary; top_p rows from their
     CANDIDATES likeliest, unless their nucleus reaches past those (the one case read back from the device: those
     rows then sort); sorted rows sort the vocabulary; plain rows draw from it whole. `kept`: each row's top_k, the
-    vocabulary size when off."""
+    vocabulary size when off. Probabilities come from softmax and cumsum, which reduce a row alone in one order.
+    `invariant` (deterministic mode) finds the candidates, equals in id order: top_k rows then take CANDIDATES of
+    them, not the group's largest top_k, and sorted rows sort stably, so that no width or order depends on the
+    batch."""
+    largest = invariant or torch_largest
     n, vocab = scaled.shape
     # min_p keeps p >= min_p * p_max, that is logit >= max logit + log(min_p).
     threshold = scaled.amax(dim=-1) + filters.log_min_p
@@ -365,18 +397,19 @@ def _draw(scaled: torch.Tensor, filters: _Filters, u: torch.Tensor, kinds: list[
         tokens[at] = _draw_plain(scaled[at], threshold[at], u[at])
     if rows := rows_of("top_k"):
         at = index(rows)
-        values, ids = scaled[at].topk(max(kept[i] for i in rows), dim=-1)
+        width = min(vocab, CANDIDATES) if invariant else max(kept[i] for i in rows)
+        values, ids = largest(scaled[at], width)
         tokens[at], _ = _draw_candidates(values, ids, threshold[at], filters.rows(at), u[at], vocab)
     sorted_rows = index(rows_of("sorted"))
     if rows := rows_of("top_p"):
         at = index(rows)
-        values, ids = scaled[at].topk(min(vocab, CANDIDATES), dim=-1)
+        values, ids = largest(scaled[at], min(vocab, CANDIDATES))
         picked, exact = _draw_candidates(values, ids, threshold[at], filters.rows(at), u[at], vocab, scaled[at])
         tokens[at] = picked
         sorted_rows = torch.cat([sorted_rows, at[~exact]])  # the nuclei past their candidates, redrawn sorted
     if len(sorted_rows):
         tokens[sorted_rows] = _draw_sorted(scaled[sorted_rows], threshold[sorted_rows], filters.rows(sorted_rows),
-                                           u[sorted_rows])
+                                           u[sorted_rows], stable=invariant is not None)
     return tokens
 
 
@@ -389,40 +422,41 @@ def _draw_candidates(values, ids, threshold, filters: _Filters, u, vocab: int,
     width = values.shape[1]
     keep = (torch.arange(width, device=values.device) < filters.top_k[:, None]) & (values >= threshold[:, None])
     keep[:, 0] = True
-    weights = (values - values[:, :1]).exp() * keep
-    total = weights.sum(dim=-1)
+    probs = torch.softmax(values.masked_fill(~keep, float("-inf")), dim=-1)
     unlimited = filters.top_k >= vocab
-    if scaled is not None and unlimited.any():  # the kept set's mass includes its tail past the candidates
-        tail = scaled[unlimited]
-        kept = (tail - values[unlimited, :1]).exp() * (tail >= threshold[unlimited, None])
-        total[unlimited] = kept.sum(dim=-1)
-    probs = weights / total[:, None]
-    mass_before = probs.cumsum(dim=-1) - probs
+    if scaled is not None and unlimited.any():  # a candidate's probability among the whole kept vocabulary
+        probs[unlimited] = _kept_softmax(scaled[unlimited], threshold[unlimited]).gather(1, ids[unlimited])
+    cdf = probs.cumsum(dim=-1)
     # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it already does.
     nucleus = filters.top_p < 1
-    keep &= ~nucleus[:, None] | (mass_before < filters.top_p[:, None])
+    keep &= ~nucleus[:, None] | (cdf - probs < filters.top_p[:, None])
     keep[:, 0] = True  # the most likely token always stays, even where top_p rounds to 0 in this dtype
-    exact = ~unlimited | (probs.sum(dim=-1) >= filters.top_p) | (values[:, -1] < threshold)
-    return ids.gather(1, _inverse_cdf(weights * keep, u)[:, None])[:, 0], exact
+    exact = ~unlimited | (cdf[:, -1] >= filters.top_p) | (values[:, -1] < threshold)
+    return ids.gather(1, _inverse_cdf(probs * keep, u)[:, None])[:, 0], exact
+
+
+def _kept_softmax(scaled: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """Each row's softmax over the tokens at or above its min_p threshold (the others 0)."""
+    return torch.softmax(scaled.masked_fill(scaled < threshold[:, None], float("-inf")), dim=-1)
 
 
 def _draw_plain(scaled, threshold, u) -> torch.Tensor:
     """Rows without top_k or top_p: the draw over the whole vocabulary (min_p's threshold applied)."""
-    return _inverse_cdf((scaled - scaled.amax(dim=-1, keepdim=True)).exp() * (scaled >= threshold[:, None]), u)
+    return _inverse_cdf(_kept_softmax(scaled, threshold), u)
 
 
-def _draw_sorted(scaled, threshold, filters: _Filters, u) -> torch.Tensor:
-    """Rows whose top-k or nucleus needs the vocabulary sorted: the draw over it in rank order."""
-    weights = (scaled - scaled.amax(dim=-1, keepdim=True)).exp() * (scaled >= threshold[:, None])
-    sorted_weights, order = weights.sort(dim=-1, descending=True)
+def _draw_sorted(scaled, threshold, filters: _Filters, u, stable: bool = False) -> torch.Tensor:
+    """Rows whose top-k or nucleus needs the vocabulary sorted: the draw over it in rank order (`stable`: equals in id
+    order)."""
+    sorted_probs, order = _kept_softmax(scaled, threshold).sort(dim=-1, descending=True, stable=stable)
     drop = torch.arange(scaled.shape[1], device=scaled.device)[None, :] >= filters.top_k[:, None]
-    sorted_weights = sorted_weights.masked_fill(drop, 0)
-    probs = sorted_weights / sorted_weights.sum(dim=-1, keepdim=True)
-    mass_before = probs.cumsum(dim=-1) - probs
+    sorted_probs = sorted_probs.masked_fill(drop, 0)
+    cdf = sorted_probs.cumsum(dim=-1)
+    mass_before = (cdf - sorted_probs) / cdf[:, -1:]  # of the mass top_k keeps
     top_p = filters.top_p[:, None]
     drop = (top_p < 1) & (mass_before >= top_p)
     drop[:, 0] = False
-    picked = _inverse_cdf(sorted_weights.masked_fill(drop, 0), u)
+    picked = _inverse_cdf(sorted_probs.masked_fill(drop, 0), u)
     return order.gather(1, picked[:, None])[:, 0]
 
 
@@ -441,13 +475,14 @@ def _extend(tensor: torch.Tensor | None, extra: int, dtype: torch.dtype, device)
     return torch.cat([tensor, torch.zeros((extra, *tensor.shape[1:]), dtype=dtype, device=device)])
 
 
-def _gather_logprobs(raw_logprobs: torch.Tensor | None, tokens: torch.Tensor, params: list[SamplingParams]):
+def _gather_logprobs(raw_logprobs: torch.Tensor | None, tokens: torch.Tensor, params: list[SamplingParams],
+                     largest: Largest = torch_largest):
     if raw_logprobs is None:
         return [None] * len(params)
     sampled = raw_logprobs.gather(1, tokens[:, None])
     ranks = (raw_logprobs > sampled).sum(dim=-1) + 1
     num_top = max(p.logprobs or 0 for p in params)
-    top_values, top_ids = raw_logprobs.topk(num_top, dim=-1) if num_top else (None, None)
+    top_values, top_ids = largest(raw_logprobs, num_top) if num_top else (None, None)
     sampled, ranks = sampled[:, 0].tolist(), ranks.tolist()
     result = []
     for i, p in enumerate(params):
