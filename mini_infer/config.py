@@ -484,6 +484,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    # How often one data-parallel replica that dies is started again over the engine's life (with a back-off
+    # from 1 s, doubling; docs/decisions/022); 0: never.
+    max_replica_restarts: int = 3
     task: str = "auto"  # TASKS; resolved here to generate, embed or score
     hf_overrides: dict | None = None  # keys laid over config.json's (vLLM's name)
     model_config: ModelConfig = field(init=False)
@@ -548,6 +551,8 @@ class EngineConfig:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             _positive(name, getattr(self, name))
         _check_parallel_split(self.model_config, self.tensor_parallel_size, self.pipeline_parallel_size)
+        if not isinstance(self.max_replica_restarts, int) or self.max_replica_restarts < 0:
+            raise ValueError(f"max_replica_restarts must be an integer >= 0, got {self.max_replica_restarts!r}")
         if self.pooler is not None and self.pipeline_parallel_size != 1:
             raise ValueError(f"task {self.task} runs in one pipeline stage (its pooling reads the last stage's hidden "
                              f"states on rank 0), got pipeline_parallel_size {self.pipeline_parallel_size}")

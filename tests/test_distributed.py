@@ -1,7 +1,7 @@
 """Scale-out on the CPU (gloo, tiny models): tensor, pipeline and data parallel give the single-process engine's
 greedy tokens (and so HF's) on a mixed-length batch; ranks hold their share of the parameters; a dead worker
-or replica stops the engine with a clear error at once and leaves no process behind; the torchrun-style launch;
-the data-parallel router."""
+stops the engine with a clear error at once and leaves no process behind, a dead replica leaves the other serving
+(tests/test_data_parallel.py: the failover itself); the torchrun-style launch; the data-parallel router."""
 
 from __future__ import annotations
 
@@ -150,20 +150,39 @@ def _kill_during_generate(llm: LLM, victim: int) -> float:
     return time.monotonic() - killed_at[0]
 
 
-@pytest.mark.parametrize("sizes, num_processes", [
-    (dict(tensor_parallel_size=2), 1),  # rank 1 (the victim)
-    (dict(data_parallel_size=2), 2),  # two replicas (the second is the victim)
-    (dict(data_parallel_size=2, pipeline_parallel_size=2), 4),  # two replicas and their rank 1s (one a victim)
-])
-def test_killed_worker_stops_the_engine_at_once_and_leaves_no_process(tiny_model_dir, sizes, num_processes):
-    llm = LLM(str(tiny_model_dir), dtype="float32", **sizes)
+def test_killed_worker_stops_the_engine_at_once_and_leaves_no_process(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), dtype="float32", tensor_parallel_size=2)
     children = descendants(os.getpid())
-    assert len(children) == num_processes
+    assert len(children) == 1  # rank 1 (the victim)
     seconds = _kill_during_generate(llm, children[-1])
     assert seconds < 10
     assert descendants(os.getpid()) == []
     with pytest.raises(WorkerDiedError, match="the engine has stopped"):
         llm.generate([[1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+@pytest.mark.parametrize("sizes, num_processes", [
+    (dict(data_parallel_size=2), 2),  # two replicas (the second is the victim)
+    (dict(data_parallel_size=2, pipeline_parallel_size=2), 4),  # two replicas and their rank 1s (one a victim)
+])
+def test_killed_replica_or_its_rank_leaves_the_other_serving_a_whole_batch(tiny_model_dir, sizes, num_processes):
+    """The victim's requests had returned nothing (LLM.generate's return when they finish): they are sent again to
+    the other replica and the batch completes; without restarts the victim's processes are gone, then all are."""
+    llm = LLM(str(tiny_model_dir), dtype="float32", max_replica_restarts=0, **sizes)
+    children = descendants(os.getpid())
+    assert len(children) == num_processes
+    victim = children[-1]
+    timer = threading.Timer(1.0, os.kill, (victim, signal.SIGKILL))
+    timer.start()
+    outputs = llm.generate([[1, 2, 3]] * 4, SamplingParams(temperature=0, max_tokens=900, ignore_eos=True),
+                           use_tqdm=False)
+    timer.join()
+    assert [(o.outputs[0].finish_reason, len(o.outputs[0].token_ids)) for o in outputs] == [("length", 900)] * 4
+    health = sorted(llm.engine.replica_health(), key=lambda h: h.state)
+    assert [h.state for h in health] == ["gone", "live"] and "not restarted" in health[0].detail
+    assert len(descendants(os.getpid())) == num_processes // 2
+    llm.engine.shutdown()
+    assert descendants(os.getpid()) == []
 
 
 # A shell starts the program with Python's own SIGINT handler; a child of the test process inherits that process's
@@ -309,7 +328,7 @@ def _config(**overrides):
 
 def test_server_over_data_parallel_replicas(tiny_model_dir):
     """`serve` builds its engine with create_engine: concurrent completions over 2 replicas equal offline
-    generation; /health turns 503 once a replica dies."""
+    generation; once a replica dies /health stays 200 and says so, and the other serves the same completions."""
     import asyncio
 
     import httpx
@@ -337,13 +356,18 @@ def test_server_over_data_parallel_replicas(tiny_model_dir):
 
             responses = asyncio.run(complete_all())
             assert [r.json()["choices"][0]["text"] for r in responses] == expected
-            assert httpx.get(server.url + "/health").status_code == 200
-            replica = engine.engine.replicas[1].process
-            os.kill(replica.pid, signal.SIGKILL)
-            replica.join(10)
-            assert httpx.get(server.url + "/health").status_code == 503
-            # /health asks from the event loop's thread: it reports, and leaves stopping to the engine's thread.
-            assert engine.engine.replicas[0].process.is_alive()
+            health = httpx.get(server.url + "/health")
+            assert health.status_code == 200 and health.json()["live_replicas"] == 2
+            os.kill(engine.engine.replicas[1].process.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while (health := httpx.get(server.url + "/health")).json()["replicas"][1]["deaths"] == 0:
+                assert time.monotonic() < deadline, health.json()
+                time.sleep(0.05)
+            assert health.status_code == 200 and health.json()["status"] in ("degraded", "ok")  # (ok: back already)
+            assert "exited with signal SIGKILL" in health.json()["replicas"][1]["detail"]
+            responses = asyncio.run(complete_all())
+            assert [r.status_code for r in responses] == [200] * len(texts)
+            assert [r.json()["choices"][0]["text"] for r in responses] == expected
     finally:
         engine.shutdown()
     assert descendants(os.getpid()) == []

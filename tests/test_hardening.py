@@ -138,12 +138,12 @@ def test_router_refuses_what_a_replica_would_and_every_replica_keeps_running(unt
 
 
 def test_a_replica_answers_a_refused_request_alone_and_serves_on(untokenized_dir):
-    from mini_infer.engine.data_parallel import _add_or_refuse
+    from mini_infer.engine.replicas import add_or_refuse
 
     engine = LLMEngine.from_args(str(untokenized_dir), dtype="float32", num_kv_blocks=64)
-    [refused] = _add_or_refuse(engine, "bad", {"prompt_token_ids": [1, 2]}, SamplingParams(stop=["x"]))
+    [refused] = add_or_refuse(engine, "bad", {"prompt_token_ids": [1, 2]}, SamplingParams(stop=["x"]))
     assert refused.finished and refused.outputs[0].finish_reason == "abort" and refused.prompt_token_ids == [1, 2]
-    assert _add_or_refuse(engine, "good", {"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=2)) == []
+    assert add_or_refuse(engine, "good", {"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=2)) == []
     assert [o.request_id for o in engine.run_until_done() if o.finished] == ["good"]
 
 

@@ -67,6 +67,7 @@ class EngineArgs:
     tensor_parallel_size: int = _default("tensor_parallel_size")
     pipeline_parallel_size: int = _default("pipeline_parallel_size")
     data_parallel_size: int = _default("data_parallel_size")
+    max_replica_restarts: int = _default("max_replica_restarts")
     # structured outputs
     structured_outputs_max_whitespace: int | None = _default("structured_outputs_max_whitespace")
 
@@ -136,6 +137,9 @@ class EngineArgs:
                               help="stages that split the layers")
         parallel.add_argument("--data-parallel-size", "-dp", type=int, default=_default("data_parallel_size"),
                               help="engine replicas behind a least-outstanding-work router")
+        parallel.add_argument("--max-replica-restarts", type=int, default=_default("max_replica_restarts"),
+                              help="times one data-parallel replica that dies is started again (back-off from 1 s, "
+                                   "doubling; 0: never); the others serve on meanwhile")
         return parser
 
     @classmethod

@@ -4,7 +4,9 @@ The thread owns the engine: requests are added and aborted through a command que
 so no caller ever waits on a forward pass, and every step's outputs go to the callers' asyncio queues. A
 caller that stops reading (a client that disconnects) aborts its request; its KV blocks return at the next
 step boundary. If a step raises, the engine is dead: every open request fails with EngineDeadError and new
-ones are refused; shutdown() fails them with its subclass EngineShutdownError.
+ones are refused; shutdown() fails them with its subclass EngineShutdownError. A request the engine ends with
+finish_reason "error" (a data-parallel replica died under it after some of its output was out) fails alone, with
+RequestFailedError; the engine serves on.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 from mini_infer.config import EngineConfig
+from mini_infer.engine.data_parallel import DataParallelEngine
+from mini_infer.engine.replicas import ReplicaHealth
 from mini_infer.engine.input_processor import ProcessedRequest, PromptType
 from mini_infer.engine.llm_engine import LLMEngine
 from mini_infer.engine.metrics import EngineMetrics
@@ -35,6 +39,11 @@ class EngineDeadError(RuntimeError):
 
 class EngineShutdownError(EngineDeadError):
     """The engine was shut down (the server is stopping) while the request was open, or before it came."""
+
+
+class RequestFailedError(RuntimeError):
+    """This request alone failed on the engine's side, after some of its output was delivered (its data-parallel
+    replica died): nothing of it can be taken back, so it is not run again; the engine serves on."""
 
 
 @dataclass(slots=True)
@@ -65,6 +74,8 @@ class AsyncLLMEngine:
         self._tokenizer = engine.tokenizer
         self._default_params = engine.default_sampling_params()
         self._processor = engine.processor  # process() reads the tokenizer and the config; its grammar cache locks
+        if metrics is not None and isinstance(engine, DataParallelEngine):
+            metrics.watch_replicas(engine.replica_health)
         self.error: BaseException | None = None
         self._ended: EngineDeadError | None = None  # set by the engine thread before it fails what is left
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -95,20 +106,32 @@ class AsyncLLMEngine:
 
     @property
     def healthy(self) -> bool:
-        """The engine thread runs and the engine's processes (worker ranks, replicas) are alive."""
-        if self.error is not None or not self._thread.is_alive():
-            return False
+        """The engine thread runs and the engine's processes are alive (worker ranks; for data parallel: some replica
+        is left, live or to be restarted)."""
+        return self.problem() is None
+
+    def problem(self) -> str | None:
+        """Why the engine cannot serve (see healthy), or None."""
+        if self.error is not None:
+            return f"the engine failed: {self.error!r}"
+        if not self._thread.is_alive():
+            return "the engine has been shut down"
         try:
             self.engine.check_health()
-        except RuntimeError:
-            return False
-        return True
+        except RuntimeError as e:
+            return str(e)
+        return None
+
+    def replicas(self) -> list[ReplicaHealth] | None:
+        """Each data-parallel replica's state, restarts and deaths (None for a single engine); any thread may ask."""
+        return self.engine.replica_health() if isinstance(self.engine, DataParallelEngine) else None
 
     def generate(self, request_id: str, prompt: PromptType,
                  params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Add the request and yield its outputs (DELTA: what is new each step) until it finishes.
 
-        Raises the engine's InvalidRequestError if the request is refused, EngineDeadError if the engine fails.
+        Raises the engine's InvalidRequestError if the request is refused, EngineDeadError if the engine fails,
+        RequestFailedError if this request alone fails.
         Leaving early (break, cancellation, aclose) aborts the request."""
         return self._stream(request_id, prompt, replace(params, output_kind=RequestOutputKind.DELTA))
 
@@ -231,7 +254,8 @@ class AsyncLLMEngine:
                 continue  # aborted: its reader is gone
             if output.finished:
                 del self._streams[output.request_id]
-            stream.put(output)
+            failure = _failure_of(output)
+            stream.put(output if failure is None else RequestFailedError(failure))
 
     def _report_state(self) -> None:
         if self._metrics is not None:
@@ -246,6 +270,15 @@ class AsyncLLMEngine:
             if command[0] == "add":
                 stream, added = command[3], command[4]  # ("add", request_id, processed, stream, added)
                 stream.call(_settle, added, error)
+
+
+def _failure_of(output: RequestOutput | PoolingRequestOutput) -> str | None:
+    """Why the engine ended the request with finish_reason "error" (its stop_reason), or None."""
+    if isinstance(output, RequestOutput) and output.finished:
+        for completion in output.outputs:
+            if completion.finish_reason == "error":
+                return str(completion.stop_reason)
+    return None
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:

@@ -1,23 +1,30 @@
 """Prometheus metrics of a serving engine (vLLM's metric names under the `mini_infer:` prefix).
 
 Updated from the engine thread only: when a request is added or aborted, from every step's outputs, and from
-the scheduler's state after each step.
+the scheduler's state after each step. A data-parallel engine's replica deaths, restarts and live count are read
+when /metrics is scraped (watch_replicas), so they are current while the engine idles too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from mini_infer.engine.scheduler import SchedulerStats
 from mini_infer.outputs import PoolingRequestOutput, RequestOutput
+
+if TYPE_CHECKING:
+    from mini_infer.engine.replicas import ReplicaHealth
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0,
                     40.0, 80.0, 160.0, 320.0)
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                 10.0)
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")  # error: a data-parallel replica died under the request
 
 
 @dataclass(slots=True)
@@ -60,6 +67,10 @@ class EngineMetrics:
                                  labels, buckets=_ITL_BUCKETS, **kw))
         self.e2e = one(Histogram("mini_infer:e2e_request_latency_seconds", "Arrival to last token, per finished "
                                  "request.", labels, buckets=_LATENCY_BUCKETS, **kw))
+
+    def watch_replicas(self, read: Callable[[], list[ReplicaHealth]]) -> None:
+        """Export a data-parallel engine's replicas as `read` (its replica_health) gives them at each scrape."""
+        self.registry.register(_ReplicaCollector(self.model_name, read))
 
     def on_add(self, request_id: str, now: float) -> None:
         self._timings[request_id] = _Timing(arrival=now)
@@ -106,3 +117,27 @@ class EngineMetrics:
         self.prefix_queries.inc(stats.prefix_queries - queries_seen)
         self.prefix_hits.inc(stats.prefix_hits - hits_seen)
         self._prefix_seen = (stats.prefix_queries, stats.prefix_hits)
+
+
+class _ReplicaCollector:
+    """Replica deaths and restarts (counters, one series per replica) and the live replicas (a gauge)."""
+
+    def __init__(self, model_name: str, read: Callable[[], list[ReplicaHealth]]) -> None:
+        self.model_name, self.read = model_name, read
+
+    def describe(self):
+        return []  # (no scrape at registration: the engine may still be starting)
+
+    def collect(self):
+        replicas = self.read()
+        deaths = CounterMetricFamily("mini_infer:dp_replica_deaths", "Data-parallel replica processes that died.",
+                                     labels=["model_name", "replica"])
+        restarts = CounterMetricFamily("mini_infer:dp_replica_restarts", "Data-parallel replica processes started "
+                                       "again after a death.", labels=["model_name", "replica"])
+        for replica in replicas:
+            deaths.add_metric([self.model_name, str(replica.replica)], replica.deaths)
+            restarts.add_metric([self.model_name, str(replica.replica)], replica.restarts)
+        live = GaugeMetricFamily("mini_infer:dp_replicas_live", "Data-parallel replicas taking requests.",
+                                 labels=["model_name"])
+        live.add_metric([self.model_name], sum(r.state == "live" for r in replicas))
+        yield from (deaths, restarts, live)

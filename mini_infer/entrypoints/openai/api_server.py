@@ -2,8 +2,9 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (SSE streaming with `stream: true`; `n` choices),
 POST /v1/responses with GET and DELETE /v1/responses/{id} (the Responses API: responses.py), GET /v1/models and
-/v1/models/{id}, POST /tokenize and POST /detokenize (vLLM's), GET /health, GET /metrics (Prometheus text). Errors
-come back in OpenAI's shape, {"error": {"message", "type", "param", "code"}}. An embedding model or a reranker
+/v1/models/{id}, POST /tokenize and POST /detokenize (vLLM's), GET /health (with data parallel: each replica's
+state), GET /metrics (Prometheus text). Errors come back in OpenAI's shape, {"error": {"message", "type", "param",
+"code"}}. An embedding model or a reranker
 serves POST /v1/embeddings, /v1/score and /v1/rerank instead (pooling.py).
 """
 
@@ -15,7 +16,7 @@ import hmac
 import json
 import time
 import uuid
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from collections.abc import AsyncIterator, Callable
 
@@ -27,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mini_infer.config import SERVE_TARGET_ITL_MS
 from mini_infer.engine.arg_utils import EngineArgs
-from mini_infer.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineShutdownError
+from mini_infer.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineShutdownError, RequestFailedError
 from mini_infer.engine.input_processor import check_token_ids
 from mini_infer.entrypoints.openai.choices import ChatChoices, Choices, CompletionChoices, usage_body
 from mini_infer.entrypoints.openai.pooling import PoolingEndpoints, check_task
@@ -45,6 +46,7 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after"}
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 413: "invalid_request_error", 500: "internal_server_error", 503: "service_unavailable"}
+_ENGINE_FAILURES = (EngineDeadError, RequestFailedError)  # what ends a request on the engine's side
 
 
 class APIError(Exception):
@@ -92,8 +94,10 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, *, api_key: str | 
 
     @app.get("/health")
     async def health():
-        if not engine.healthy:
-            raise APIError(503, f"the engine is not running: {engine.error!r}")
+        if engine.replicas() is not None:
+            return _replicas_health(engine)
+        if (problem := engine.problem()) is not None:
+            raise APIError(503, f"the engine is not running: {problem}")
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -181,8 +185,8 @@ class _Server:
         if parsed.model is not None and parsed.model != self.model_name:
             raise APIError(404, f"the model {parsed.model!a} does not exist; this server serves "
                                 f"{self.model_name!a}", "model")
-        if not self.engine.healthy:
-            raise APIError(500, f"the engine is not running: {self.engine.error!r}")
+        if (problem := self.engine.problem()) is not None:
+            raise APIError(500, f"the engine is not running: {problem}")
         try:
             check_task(self.engine.config.task, request.url.path)  # (pooling.py: a 400 naming model)
             return await run(request, parsed)
@@ -388,7 +392,7 @@ class _Server:
         InvalidRequestError, or a 500 if the engine is dead."""
         try:
             return await anext(outputs)
-        except EngineDeadError as e:
+        except _ENGINE_FAILURES as e:
             raise _engine_error(e) from None
 
 
@@ -439,7 +443,7 @@ async def _response_events(events: AsyncIterator[dict]) -> AsyncIterator[str]:
             async for event in events:
                 yield _named_sse(event, number)
                 number += 1
-        except EngineDeadError as e:
+        except _ENGINE_FAILURES as e:
             error = _engine_error(e)
             yield _named_sse({"type": "error", "code": str(error.status), "message": error.message, "param": None},
                              number)
@@ -476,7 +480,7 @@ async def _guard_engine_death(events: AsyncIterator[str]) -> AsyncIterator[str]:
         try:
             async for event in events:
                 yield event
-        except EngineDeadError as e:
+        except _ENGINE_FAILURES as e:
             yield _sse(_engine_error(e).body())
             yield "data: [DONE]\n\n"
 
@@ -570,15 +574,34 @@ async def _unless_disconnected(request: Request, work):
         return None
     try:
         return task.result()
-    except EngineDeadError as e:
+    except _ENGINE_FAILURES as e:
         raise _engine_error(e) from None
 
 
-def _engine_error(error: EngineDeadError) -> APIError:
-    """A 503 for a request aborted because the server is shutting down; a 500 if the engine failed."""
+def _engine_error(error: EngineDeadError | RequestFailedError) -> APIError:
+    """A 503 for a request aborted because the server is shutting down, or one that failed alone (its replica died:
+    the server serves on, so it may be sent again); a 500 if the engine failed."""
     if isinstance(error, EngineShutdownError):
         return APIError(503, "the server is shutting down; the request was aborted")
+    if isinstance(error, RequestFailedError):
+        return APIError(503, f"the request failed: {error}; the server serves on, so it may be sent again")
     return APIError(500, str(error))
+
+
+def _replicas_health(engine: AsyncLLMEngine) -> Response:
+    """A data-parallel engine's /health: the replicas live and each one's state; a 503 saying why when none is live
+    (or the engine's thread has stopped)."""
+    replicas = engine.replicas()
+    live = sum(r.state == "live" for r in replicas)
+    body = {"status": "ok" if live == len(replicas) else "degraded" if live else "unavailable",
+            "live_replicas": live, "total_replicas": len(replicas), "replicas": [asdict(r) for r in replicas]}
+    if not live:
+        why = "no data-parallel replica is live: " + "; ".join(r.detail for r in replicas)
+    elif (problem := engine.problem()) is not None:
+        why = f"the engine is not running: {problem}"
+    else:
+        return Response(json.dumps(body), media_type="application/json")
+    return Response(json.dumps({**APIError(503, why).body(), **body}), status_code=503, media_type="application/json")
 
 
 def _sse(payload: dict) -> str:
