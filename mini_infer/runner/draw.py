@@ -48,7 +48,7 @@ class Filters:
 
 
 def draw(scaled: torch.Tensor, filters: Filters, u: torch.Tensor, kinds: list[str], kept: list[int],
-          invariant: Largest | None = None) -> torch.Tensor:
+          largest: Largest = torch_largest, invariant: bool = False) -> torch.Tensor:
     """Sample a token per row of temperature-scaled logits, after min_p, top_k and top_p, by inverse CDF.
 
     Rows are grouped by their kind (Sampler._draw_kind, known on the host, so no value on the device decides a branch):
@@ -56,10 +56,9 @@ def draw(scaled: torch.Tensor, filters: Filters, u: torch.Tensor, kinds: list[st
     CANDIDATES likeliest, unless their nucleus reaches past those (the one case read back from the device: those
     rows then sort); sorted rows sort the vocabulary; plain rows draw from it whole. `kept`: each row's top_k, the
     vocabulary size when off. Probabilities come from softmax and cumsum, which reduce a row alone in one order.
-    `invariant` (deterministic mode) finds the candidates, equals in id order: top_k rows then take CANDIDATES of
-    them, not the group's largest top_k, and sorted rows sort stably, so that no width or order depends on the
-    batch."""
-    largest = invariant or torch_largest
+    `largest` finds the candidates. `invariant` (deterministic mode, with a `largest` that puts equals in id order):
+    top_k rows take CANDIDATES of them, not the group's largest top_k, and sorted rows sort stably, so that no width
+    or order depends on the batch."""
     n, vocab = scaled.shape
     # min_p keeps p >= min_p * p_max, that is logit >= max logit + log(min_p).
     threshold = scaled.amax(dim=-1) + filters.log_min_p
@@ -88,7 +87,7 @@ def draw(scaled: torch.Tensor, filters: Filters, u: torch.Tensor, kinds: list[st
         sorted_rows = torch.cat([sorted_rows, at[~exact]])  # the nuclei past their candidates, redrawn sorted
     if len(sorted_rows):
         tokens[sorted_rows] = _draw_sorted(scaled[sorted_rows], threshold[sorted_rows], filters.rows(sorted_rows),
-                                           u[sorted_rows], stable=invariant is not None)
+                                           u[sorted_rows], stable=invariant)
     return tokens
 
 

@@ -297,7 +297,7 @@ class Sampler:
         filters = Filters(self._top_k[picked], column("top_p", picked), column("log_min_p", picked))
         kinds = [self._draw_kind(params[i]) for i in rows]
         tokens[rows] = draw(logits[rows] if greedy else logits, filters, self._uniforms([slots[i] for i in rows]),
-                             kinds, [self._kept(params[i]) for i in rows], self.largest if self.invariant else None)
+                             kinds, [self._kept(params[i]) for i in rows], self.largest, self.invariant)
         return tokens
 
     def _draw_kind(self, params: SamplingParams) -> str:

@@ -30,6 +30,7 @@ from mini_infer.config import SERVE_TARGET_ITL_MS
 from mini_infer.engine.arg_utils import EngineArgs
 from mini_infer.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineShutdownError, RequestFailedError
 from mini_infer.engine.input_processor import check_token_ids
+from mini_infer.engine.replicas import ReplicaHealth
 from mini_infer.entrypoints.openai.choices import ChatChoices, Choices, CompletionChoices, usage_body
 from mini_infer.entrypoints.openai.pooling import PoolingEndpoints, check_task
 from mini_infer.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -94,8 +95,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, *, api_key: str | 
 
     @app.get("/health")
     async def health():
-        if engine.replicas() is not None:
-            return _replicas_health(engine)
+        if (replicas := engine.replicas()) is not None:
+            return _replicas_health(engine, replicas)
         if (problem := engine.problem()) is not None:
             raise APIError(503, f"the engine is not running: {problem}")
         return Response(status_code=200)
@@ -588,10 +589,9 @@ def _engine_error(error: EngineDeadError | RequestFailedError) -> APIError:
     return APIError(500, str(error))
 
 
-def _replicas_health(engine: AsyncLLMEngine) -> Response:
+def _replicas_health(engine: AsyncLLMEngine, replicas: list[ReplicaHealth]) -> Response:
     """A data-parallel engine's /health: the replicas live and each one's state; a 503 saying why when none is live
     (or the engine's thread has stopped)."""
-    replicas = engine.replicas()
     live = sum(r.state == "live" for r in replicas)
     body = {"status": "ok" if live == len(replicas) else "degraded" if live else "unavailable",
             "live_replicas": live, "total_replicas": len(replicas), "replicas": [asdict(r) for r in replicas]}
