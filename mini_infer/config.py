@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from mini_infer.speculative_config import SpeculativeConfig
+
 DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
@@ -489,9 +491,14 @@ class EngineConfig:
     max_replica_restarts: int = 3
     task: str = "auto"  # TASKS; resolved here to generate, embed or score
     hf_overrides: dict | None = None  # keys laid over config.json's (vLLM's name)
+    # Speculative decoding (vLLM's name and keys; mini_infer/speculative_config.py): a dict, validated into
+    # SpeculativeConfig here.
+    speculative_config: SpeculativeConfig | dict | None = None
     model_config: ModelConfig = field(init=False)
     torch_dtype: torch.dtype = field(init=False)
     pooler: PoolerConfig | None = field(init=False)  # task embed or score: how a prompt's output is pooled
+    # speculative_config's draft model, as an engine config of its own (its kernels, dtype, quantisation)
+    draft_config: EngineConfig | None = field(init=False)
 
     def __post_init__(self) -> None:
         model_dir = Path(self.model)
@@ -556,6 +563,37 @@ class EngineConfig:
         if self.pooler is not None and self.pipeline_parallel_size != 1:
             raise ValueError(f"task {self.task} runs in one pipeline stage (its pooling reads the last stage's hidden "
                              f"states on rank 0), got pipeline_parallel_size {self.pipeline_parallel_size}")
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        """speculative_config validated, and a draft model's own engine config built (same dtype, kernels, block
+        size, sequence slots and length as the target's)."""
+        self.speculative_config = spec = SpeculativeConfig.from_value(self.speculative_config)
+        self.draft_config = None
+        if spec is None:
+            return
+        if self.pooler is not None:
+            raise ValueError(f"speculative_config speeds up generation; task {self.task} generates no tokens")
+        if spec.method != "draft_model":
+            return
+        try:
+            self.draft_config = EngineConfig(
+                model=spec.model, dtype=self.torch_dtype, device=self.device,
+                block_size=self.block_size, num_kv_blocks=1, max_num_seqs=self.max_num_seqs,
+                max_model_len=self.max_model_len, seed=self.seed, cpu_kernels=self.cpu_kernels,
+                gpu_kernels=self.gpu_kernels, enforce_eager=True, deterministic=self.deterministic,
+                quantization=spec.quantization, task="generate")
+        except ValueError as e:
+            raise ValueError(f"speculative_config.model ({spec.model}): {e}") from e
+        draft, target = self.draft_config.model_config, self.model_config
+        tokenizers = [Path(d) / "tokenizer.json" for d in (spec.model, self.model)]
+        if all(t.is_file() for t in tokenizers):
+            same = tokenizers[0].read_bytes() == tokenizers[1].read_bytes()
+        else:
+            same = draft.vocab_size == target.vocab_size
+        if not same:
+            raise ValueError(f"speculative_config.model ({spec.model}) has another vocabulary than the target "
+                             f"({self.model}): a draft proposes token ids of the target's tokenizer")
 
     def _check_deterministic(self) -> None:
         """Deterministic mode runs on the native CPU kernels (the ones whose reduction order mini-infer controls);
@@ -621,6 +659,9 @@ class EngineConfig:
         layers = -(-mc.num_hidden_layers // self.pipeline_parallel_size)
         kv_heads = max(1, mc.num_key_value_heads // self.tensor_parallel_size)
         per_token = 2 * layers * kv_heads * mc.head_dim
+        if self.draft_config is not None:  # rank 0 holds the draft's K/V over the same blocks, whole
+            draft = self.draft_config.model_config
+            per_token += 2 * draft.num_hidden_layers * draft.num_key_value_heads * draft.head_dim
         return per_token * self.block_size * self.torch_dtype.itemsize
 
     def resolved_num_kv_blocks(self) -> int:

@@ -46,7 +46,7 @@ from mini_infer.sampling_params import SamplingParams
 # A request under which replicas keep dying may be what kills them: after one more try it fails instead of
 # taking the next replica down too.
 MAX_RESENDS = 1
-_RUNNING_TOTALS = ("num_preemptions", "prefix_queries", "prefix_hits")  # SchedulerStats that only grow
+_RUNNING_TOTALS = ("num_preemptions", "prefix_queries", "prefix_hits", "spec_decode")  # SchedulerStats that grow
 
 
 def create_engine(config: EngineConfig) -> EngineClient:

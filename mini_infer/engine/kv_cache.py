@@ -185,6 +185,22 @@ class KVCacheManager:
                 self._free[block] = None
         self._free_rows.append(row_index)
 
+    def trim(self, request_id: str, num_tokens: int) -> int:
+        """Give back the request's blocks past those holding `num_tokens` tokens (a verify step's rejected positions:
+        never registered in the prefix cache, so they go first in eviction order); the blocks it keeps."""
+        owned = self._num_owned.get(request_id, 0)
+        keep = self.blocks_for(num_tokens)
+        if owned <= keep:
+            return owned
+        row = self.block_tables[self._rows[request_id]]
+        for block in row[keep:owned].tolist():
+            self._ref[block] -= 1
+            if self._ref[block] == 0:
+                self._free[block] = None
+                self._free.move_to_end(block, last=False)
+        self._num_owned[request_id] = keep
+        return keep
+
     def row(self, request_id: str) -> int:
         return self._rows[request_id]
 

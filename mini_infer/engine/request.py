@@ -7,6 +7,7 @@ import enum
 from dataclasses import dataclass, field
 
 from mini_infer.engine.detokenizer import IncrementalDetokenizer
+from mini_infer.engine.speculation import DraftPolicy
 from mini_infer.engine.structured_output import Grammar
 from mini_infer.outputs import Logprob
 from mini_infer.pooling_params import PoolingParams
@@ -50,6 +51,9 @@ class Request:
     # Every prompt position computed, none taken from the prefix cache: prompt logprobs (cached positions would have
     # none) and mean pooling (the mean reads every position's hidden state).
     whole_prompt: bool = False
+    # Speculative decoding: the drafts proposed for its next step, and how many it proposes (engine/speculation.py).
+    spec_token_ids: list[int] = field(default_factory=list)
+    draft_policy: DraftPolicy | None = None
     # What the last RequestOutput already carried (for DELTA outputs).
     num_emitted_tokens: int = 0
     num_emitted_chars: int = 0

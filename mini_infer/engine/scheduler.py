@@ -38,12 +38,14 @@ from dataclasses import dataclass, field
 from mini_infer.config import DEFAULT_CHUNKED_BUDGET, EngineConfig
 from mini_infer.engine.kv_cache import KVCacheManager
 from mini_infer.engine.request import Request, RequestStatus
+from mini_infer.engine.speculation import DraftPolicy, SpecDecodeStats
 from mini_infer.engine.step_cost import StepCost, StepShape
 from mini_infer.engine.stop import check_stop
 from mini_infer.engine.structured_output import allocate_bitmask
 from mini_infer.runner.plan import GrammarBitmask, NewRequest, StepPlan
 from mini_infer.runner.pooler import PoolerOutput
 from mini_infer.runner.sampler import SamplerOutput
+from mini_infer.speculative_config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +76,8 @@ class Scheduler:
                  max_num_batched_tokens: int = DEFAULT_CHUNKED_BUDGET,
                  enable_chunked_prefill: bool = _engine_default("enable_chunked_prefill"),
                  vocab_size: int | None = None, step_cost: StepCost | None = None,
-                 target_step_s: float | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+                 target_step_s: float | None = None, clock: Callable[[], float] = time.perf_counter,
+                 speculative: SpeculativeConfig | None = None, max_model_len: int | None = None) -> None:
         if (step_cost is None) != (target_step_s is None):
             raise ValueError("a step-time target needs a step cost model, and a model a target")
         if step_cost is not None and not enable_chunked_prefill:
@@ -93,12 +96,22 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
         self._num_constrained = 0  # unfinished requests with a structured-output grammar
-        # What the runners' batch holds of each request in it: (tokens, blocks) as last sent.
-        self._sent: dict[str, tuple[int, int]] = {}
+        # What the runners' batch holds of each request in it, as last sent.
+        self._sent: dict[str, _Sent] = {}
+        # Speculative decoding: its config, and the longest a request may grow (a draft model's lookahead stays within)
+        if speculative is not None and max_model_len is None:
+            raise ValueError("speculative decoding needs the scheduler's max_model_len (it bounds the lookahead)")
+        self.speculative = speculative
+        self.max_model_len = max_model_len
+        self.spec_stats = SpecDecodeStats()
         self._left: list[str] = []  # finished since the last plan
         self._preempted: list[str] = []  # preempted while this plan is made
 
     def add(self, request: Request) -> None:
+        spec = self.speculative
+        # Penalties count every token before a position: a draft's row would need its predecessors counted.
+        if spec is not None and not request.pooling and not request.params.uses_penalties:
+            request.draft_policy = DraftPolicy(spec.num_speculative_tokens, spec.adaptive)
         if request.grammar is not None:
             if self.vocab_size is None:
                 raise ValueError("a structured-output request needs the scheduler's vocab_size (its bitmask width)")
@@ -129,18 +142,21 @@ class Scheduler:
                 num_new = self._chunk_limit(shape, request.num_computed_tokens, num_new)
                 if not num_new:
                     continue
-            if self._grow_or_preempt(request, num_new, plan):
-                self._plan_add(plan, request, num_new)
+            drafts = self._drafts(request, budget) if num_new == 1 and request.spec_token_ids else []
+            num_new += len(drafts)
+            samples = request.num_computed_tokens + num_new == request.num_tokens + len(drafts)
+            if self._grow_or_preempt(request, num_new + self._lookahead(request, num_new, samples), plan):
+                self._plan_add(plan, request, num_new, drafts, self._proposal(request, samples))
                 shape.add(num_new, request.num_computed_tokens, request.num_prompt_tokens)
                 budget -= num_new
         budget = self.max_num_batched_tokens - plan.num_tokens  # a preempted group's planned tokens come back
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and len(self._preempted) == preempted_before):
-            num_new = self._admit(self.waiting[0], budget, shape)
+            num_new, propose = self._admit(self.waiting[0], budget, shape)
             if not num_new:
                 break
             request = self.running[-1]
-            self._plan_add(plan, request, num_new)
+            self._plan_add(plan, request, num_new, [], propose)
             shape.add(num_new, request.num_computed_tokens, request.num_prompt_tokens)
             budget -= num_new
         self._order(plan)
@@ -162,25 +178,43 @@ class Scheduler:
         update = StepUpdate(prompt_logprobs=sampled.prompt_logprobs or {} if generated else {})
         rows = iter(zip(sampled.token_ids, sampled.logprobs)) if generated else iter(())
         values = iter(sampled.values) if isinstance(sampled, PoolerOutput) else iter(())
+        emitted = iter(sampled.num_emitted or ()) if generated else iter(())
+        proposals = iter(sampled.draft_token_ids or ()) if generated else iter(())
         requests = {request.request_id: request for request in self.running}
         for request_id, num_new in zip(plan.request_ids, plan.num_new_tokens):
             request = requests[request_id]
-            request.num_computed_tokens += num_new
-            self.kv_cache.cache_blocks(request_id, request.token_ids_slice, request.num_computed_tokens)
-            if request.num_computed_tokens < request.num_tokens:
-                continue  # a prompt chunk with more to come: nothing sampled
+            num_drafts = len(plan.spec_token_ids.get(request_id, ()))
+            if request.num_computed_tokens + num_new < request.num_tokens + num_drafts:
+                request.num_computed_tokens += num_new  # a prompt chunk with more to come: nothing sampled
+                self.kv_cache.cache_blocks(request_id, request.token_ids_slice, request.num_computed_tokens)
+                continue
             if request.pooling:
+                request.num_computed_tokens += num_new
+                self.kv_cache.cache_blocks(request_id, request.token_ids_slice, request.num_computed_tokens)
                 update.pooled.append((request, next(values)))
                 self.finish(request, RequestStatus.FINISHED_STOPPED)
                 update.finished.append(request)
                 continue
-            token_id, logprobs = next(rows)
-            request.output_token_ids.append(token_id)
-            check_stop(request, token_id, request.grammar is not None and _advance_grammar(request, token_id))
-            update.sampled.append((request, token_id, logprobs))
+            count = next(emitted, 1)  # the request's last token and its accepted drafts are computed, no more
+            request.num_computed_tokens += num_new - num_drafts + count - 1
+            self.kv_cache.cache_blocks(request_id, request.token_ids_slice, request.num_computed_tokens)
+            for _ in range(count):
+                token_id, logprobs = next(rows)
+                if request.finished:  # (a stop among the accepted drafts: the rest are dropped)
+                    continue
+                request.output_token_ids.append(token_id)
+                check_stop(request, token_id, request.grammar is not None and _advance_grammar(request, token_id))
+                update.sampled.append((request, token_id, logprobs))
+            if num_drafts:
+                self.spec_stats.record(num_drafts, count - 1)
+                request.draft_policy.observe(num_drafts, count - 1)
+            request.spec_token_ids = next(proposals, [])
             if request.finished:
                 self.finish(request, request.status)
                 update.finished.append(request)
+            elif self.kv_cache.num_blocks_owned(request_id) > self.kv_cache.blocks_for(request.num_tokens):
+                sent = self._sent[request_id]
+                sent.blocks, sent.trimmed = min(sent.blocks, self.kv_cache.trim(request_id, request.num_tokens)), True
         return update
 
     def finish(self, request: Request, status: RequestStatus) -> None:
@@ -233,11 +267,46 @@ class Scheduler:
 
     # ---- admission and preemption ----
 
-    def _admit(self, request: Request, budget: int, shape: StepShape) -> int:
+    # ---- speculative decoding ----
+
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """The proposed drafts a decoding request verifies this step: as many as the token budget and its max_tokens
+        leave room for (with the token after them), up to the first its grammar would not take."""
+        if request.num_output_tokens < request.params.min_tokens:  # (its stop tokens masked in some rows only)
+            return []
+        room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1)
+        drafts = request.spec_token_ids[: max(room, 0)]
+        if request.grammar is not None and drafts:
+            valid = 0
+            while valid < len(drafts) and request.grammar.accept(drafts[valid]):
+                valid += 1
+            if valid:
+                request.grammar.rollback(valid)
+            drafts = drafts[:valid]
+        return drafts
+
+    def _proposal(self, request: Request, samples: bool) -> int:
+        """How many drafts rank 0 proposes after this step for a request (its policy's number, within what its
+        max_tokens leaves after this step's token and the next's); 0 where it does not sample in the step."""
+        if request.draft_policy is None or not samples:
+            return 0
+        room = request.max_tokens - request.num_output_tokens - 2
+        return min(request.draft_policy.next_k(), room) if room > 0 else 0
+
+    def _lookahead(self, request: Request, num_new: int, samples: bool) -> int:
+        """Slots past this step's tokens where a draft model's proposals after it write their own K/V (as many as
+        it may propose, within max_model_len); none for the ngram method or a request that does not sample."""
+        if request.draft_policy is None or not samples or self.speculative.method != "draft_model":
+            return 0
+        return max(0, min(request.draft_policy.max_k, self.max_model_len - request.num_computed_tokens - num_new))
+
+    # ---- admission and preemption ----
+
+    def _admit(self, request: Request, budget: int, shape: StepShape) -> tuple[int, int]:
         """Admit the first waiting request with its cached prefix and up to `budget` more tokens (all of them
         without chunked prefill; fewer where the step-time target says so); the tokens scheduled, 0 when it cannot
-        be admitted now. It leaves one block per running request free, and where it computes its whole prompt, the
-        one its first decode needs too (a generating request's)."""
+        be admitted now, and the drafts to propose after the step. It leaves one block per running request free,
+        and where it computes its whole prompt, the one its first decode needs too (a generating request's)."""
         # Prompt logprobs and mean pooling compute the whole prompt (Request.whole_prompt), as vLLM.
         hits = [] if request.whole_prompt else self.kv_cache.match_prefix(request.all_token_ids)
         cached = len(hits) * self.kv_cache.block_size
@@ -246,26 +315,28 @@ class Scheduler:
         if num_new > 1:
             num_new = self._chunk_limit(shape, cached, num_new)
         if num_new < 1 or (not self.enable_chunked_prefill and num_new < remaining):
-            return 0
+            return 0, 0
         blocks = self.kv_cache.blocks_for
         decodes = num_new == remaining and not request.pooling  # (a pooling request ends with its prompt)
         extra = blocks(request.num_tokens + 1) - blocks(request.num_tokens) if decodes else 0
-        if not self.kv_cache.allocate_with_prefix(request.request_id, hits, cached + num_new,
+        request.num_computed_tokens = cached  # (what _lookahead counts from; a request waits with none computed)
+        lookahead = self._lookahead(request, num_new, decodes)
+        if not self.kv_cache.allocate_with_prefix(request.request_id, hits, cached + num_new + lookahead,
                                                   len(self.running) + extra):
-            return 0
+            request.num_computed_tokens = 0
+            return 0, 0
         self.kv_cache.count_prefix_query(request.num_tokens, cached)
         self.waiting.popleft()
         request.status = RequestStatus.RUNNING
-        request.num_computed_tokens = cached
         if request.num_cached_tokens is None:  # (a recompute after preemption is not the client's cache hit)
             request.num_cached_tokens = cached
         self.running.append(request)
-        return num_new
+        return num_new, self._proposal(request, decodes)
 
-    def _grow_or_preempt(self, request: Request, num_new: int, plan: StepPlan) -> bool:
-        """Slots for the request's next `num_new` tokens, preempting the most recently admitted running requests
+    def _grow_or_preempt(self, request: Request, num_slots: int, plan: StepPlan) -> bool:
+        """Slots for the request's next `num_slots` tokens, preempting the most recently admitted running requests
         (each with its group) until there are; False when the request itself had to go."""
-        while not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+        while not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + num_slots):
             victim = self.running.pop()
             group = [victim]
             if victim.group_id is not None:
@@ -290,12 +361,17 @@ class Scheduler:
 
     # ---- the plan ----
 
-    def _plan_add(self, plan: StepPlan, request: Request, num_new: int) -> None:
-        """Schedule `num_new` tokens of the request: its whole data if the batch does not hold it yet, else
-        the tokens and blocks it gained since it last ran."""
+    def _plan_add(self, plan: StepPlan, request: Request, num_new: int, drafts: list[int], propose: int) -> None:
+        """Schedule `num_new` tokens of the request (its drafts among them; `propose` drafts to make after the
+        step): its whole data if the batch does not hold it yet, else the tokens and blocks it gained since it last
+        ran, and where a verify step rejected drafts since, its computed tokens and blocks as they are now."""
         rid, kv = request.request_id, self.kv_cache
         plan.request_ids.append(rid)
         plan.num_new_tokens.append(num_new)
+        if drafts:
+            plan.spec_token_ids[rid] = drafts
+        if propose:
+            plan.propose[rid] = propose
         num_blocks = kv.num_blocks_owned(rid)
         sent = self._sent.get(rid)
         if sent is None:
@@ -304,12 +380,15 @@ class Scheduler:
                 num_prompt_tokens=request.num_prompt_tokens, num_computed_tokens=request.num_computed_tokens,
                 block_ids=kv.block_ids(rid), params=request.params, min_tokens_stop_ids=request.stop_token_ids))
         else:
-            sent_tokens, sent_blocks = sent
-            if request.num_tokens > sent_tokens:
-                plan.new_token_ids[rid] = request.token_ids_slice(sent_tokens, request.num_tokens)
-            if num_blocks > sent_blocks:
-                plan.new_block_ids[rid] = kv.block_ids(rid, sent_blocks)
-        self._sent[rid] = (request.num_tokens, num_blocks)
+            if request.num_tokens > sent.tokens:
+                plan.new_token_ids[rid] = request.token_ids_slice(sent.tokens, request.num_tokens)
+            if request.num_computed_tokens != sent.computed:
+                plan.computed_tokens[rid] = request.num_computed_tokens
+            if sent.trimmed:
+                plan.kept_blocks[rid] = sent.blocks
+            if num_blocks > sent.blocks:
+                plan.new_block_ids[rid] = kv.block_ids(rid, sent.blocks)
+        self._sent[rid] = _Sent(request.num_tokens, num_blocks, request.num_computed_tokens + num_new)
 
     def _unplan(self, plan: StepPlan, request: Request) -> None:
         """Take a request this plan already scheduled back out of it (its group is being preempted)."""
@@ -319,8 +398,9 @@ class Scheduler:
         at = plan.request_ids.index(rid)
         del plan.request_ids[at], plan.num_new_tokens[at]
         plan.new_requests = [new for new in plan.new_requests if new.request_id != rid]
-        plan.new_token_ids.pop(rid, None)
-        plan.new_block_ids.pop(rid, None)
+        for entries in (plan.new_token_ids, plan.new_block_ids, plan.spec_token_ids, plan.propose,
+                        plan.computed_tokens, plan.kept_blocks):
+            entries.pop(rid, None)
 
     def _order(self, plan: StepPlan) -> None:
         """The batch order the runners take: requests computing one token first (the decodes; an admitted prompt of
@@ -335,29 +415,50 @@ class Scheduler:
     def _grammar_bitmask(self, plan: StepPlan) -> GrammarBitmask | None:
         """The tokens each structured-output request that samples in this step may take (None if none samples)."""
         requests = {r.request_id: r for r in self.running}
-        scheduled = ((requests[rid], num_new) for rid, num_new in zip(plan.request_ids, plan.num_new_tokens))
-        # In the sampled logits' order: the requests whose step computes their last token (as update reads them).
-        sampling = [request for request, num_new in scheduled
-                    if request.num_computed_tokens + num_new >= request.num_tokens]
-        rows = [row for row, request in enumerate(sampling) if request.grammar is not None]
-        if not rows:
+        # In the sampled logits' order: the requests whose step computes their last token (as update reads them),
+        # each with the drafts it verifies (a row for its last token, then one after each draft).
+        sampling = []
+        for rid, num_new in zip(plan.request_ids, plan.num_new_tokens):
+            request, drafts = requests[rid], plan.spec_token_ids.get(rid, [])
+            if request.num_computed_tokens + num_new >= request.num_tokens + len(drafts):
+                sampling.append((request, drafts))
+        if not any(request.grammar is not None for request, _ in sampling):
             return None
-        bitmask = allocate_bitmask(len(sampling), self.vocab_size)
-        for row in rows:
-            sampling[row].grammar.fill(bitmask, row)
+        bitmask = allocate_bitmask(sum(1 + len(drafts) for _, drafts in sampling), self.vocab_size)
+        rows, at = [], 0
+        for request, drafts in sampling:
+            if request.grammar is not None:
+                request.grammar.fill(bitmask, at)
+                for i, token in enumerate(drafts, start=1):  # (_drafts kept only drafts the grammar takes)
+                    request.grammar.accept(token)
+                    request.grammar.fill(bitmask, at + i)
+                if drafts:
+                    request.grammar.rollback(len(drafts))
+                rows += range(at, at + 1 + len(drafts))
+            at += 1 + len(drafts)
         return GrammarBitmask(rows, bitmask)
 
     @property
     def stats(self) -> SchedulerStats:
         kv = self.kv_cache
         return SchedulerStats(len(self.running), len(self.waiting), kv.usage(), self.num_preemptions,
-                              kv.prefix_queries, kv.prefix_hits)
+                              kv.prefix_queries, kv.prefix_hits, self.spec_stats + SpecDecodeStats())
+
+
+@dataclass(slots=True)
+class _Sent:
+    """What the runners' batch holds of a request, as the last plan that scheduled it left it."""
+
+    tokens: int
+    blocks: int  # of its blocks, those the batch has that are still the request's
+    computed: int  # the computed tokens the batch counts (a verify step's drafts among them)
+    trimmed: bool = False  # blocks past `blocks` were given back since: the batch drops them
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerStats:
     """What a server's metrics report of a scheduler: its queues now, the KV cache's use, preemptions and prefix-cache
-    lookups so far (in prompt tokens)."""
+    lookups so far (in prompt tokens), speculative decoding's counts so far (a copy)."""
 
     running: int
     waiting: int
@@ -365,11 +466,12 @@ class SchedulerStats:
     num_preemptions: int
     prefix_queries: int
     prefix_hits: int
+    spec_decode: SpecDecodeStats
 
     @classmethod
     def idle(cls) -> SchedulerStats:
         """A scheduler that has run nothing yet."""
-        return cls(0, 0, 0.0, 0, 0, 0)
+        return cls(0, 0, 0.0, 0, 0, 0, SpecDecodeStats())
 
 
 def _advance_grammar(request: Request, token_id: int) -> bool:

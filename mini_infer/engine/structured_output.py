@@ -122,6 +122,10 @@ class Grammar:
         """Advance by a sampled token; False if the grammar does not allow it (the mask was not applied)."""
         return self._matcher.accept_token(token_id)
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (drafts looked at ahead of sampling)."""
+        self._matcher.rollback(num_tokens)
+
     @property
     def terminated(self) -> bool:
         return self._matcher.is_terminated()

@@ -35,10 +35,26 @@ class StepInputs:
     prompt_targets: torch.Tensor | None = None
     prompt_owners: list[tuple[str, int, int, int]] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)  # each request's slot, in batch order
+    # Speculative decoding: per request that samples, the drafts it verifies (its logits rows are 1 + that many);
+    # empty when none does.
+    num_drafts: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
+
+
+@dataclass(slots=True)
+class Query:
+    """Tokens of some slots to compute, laid out flat (InputBatch.query)."""
+
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    slot_mapping: torch.Tensor  # [num_tokens]
+    block_tables: torch.Tensor  # [num_reqs, max_blocks]
+    context_lens: torch.Tensor  # [num_reqs]
+    query_start_loc: torch.Tensor  # [num_reqs + 1]
+    query_lens: torch.Tensor  # [num_reqs]
 
 
 class InputBatch:
@@ -67,11 +83,30 @@ class InputBatch:
             self.prompt_logprobs[slot] = new.params.prompt_logprobs if isinstance(new.params, SamplingParams) else None
             self.block_table[slot, : len(new.block_ids)] = torch.tensor(new.block_ids, dtype=torch.int64)
             self.num_blocks[slot] = len(new.block_ids)
+        for request_id, num_computed in plan.computed_tokens.items():
+            self.num_computed[self.slots[request_id]] = num_computed
+        for request_id, num_blocks in plan.kept_blocks.items():
+            self.num_blocks[self.slots[request_id]] = num_blocks
         gained = self._append([(self.slots[rid], tokens) for rid, tokens in plan.new_token_ids.items()],
                               self.num_tokens, self.token_ids)
         self._append([(self.slots[rid], blocks) for rid, blocks in plan.new_block_ids.items()], self.num_blocks,
                      self.block_table)
+        if plan.spec_token_ids:  # drafts go after a request's tokens without counting as its tokens
+            self.write_tokens([(self.slots[rid], self.num_tokens[self.slots[rid]], drafts)
+                               for rid, drafts in plan.spec_token_ids.items()])
         return gained
+
+    def write_tokens(self, writes: list[tuple[int, int, list[int]]]) -> None:
+        """Write tokens into slots' rows from given positions on, past their counted tokens and without counting
+        them: (slot, first position, tokens) each (drafts, and what a verify step emitted before the next plan
+        brings it)."""
+        rows, cols, values = [], [], []
+        for slot, start, tokens in writes:
+            rows += [slot] * len(tokens)
+            cols += range(start, start + len(tokens))
+            values += tokens
+        if rows:
+            self.token_ids.index_put_((torch.tensor(rows), torch.tensor(cols)), torch.tensor(values))
 
     @staticmethod
     def _append(additions: list[tuple[int, list[int]]], lengths: list[int],
@@ -121,29 +156,44 @@ class InputBatch:
             num_decodes=len(slot_list), sampling_slots=[s for s, sample in zip(slot_list, samples) if sample],
             slots=slot_list)
 
-    def _prepare_any(self, plan: StepPlan, slot_list: list[int]) -> StepInputs:
-        """prepare() for any step: prompt chunks, several tokens a request, prompt positions to score."""
+    def query(self, slot_list: list[int], starts: list[int], query_lens: list[int]) -> Query:
+        """The flat inputs of `query_lens[i]` tokens of each slot from position `starts[i]` on, over the slot's token
+        row and block table (tokens already computed before `starts[i]` are its context)."""
         slots = torch.tensor(slot_list)
-        query_lens = torch.tensor(plan.num_new_tokens)
-        starts = [self.num_computed[s] for s in slot_list]
+        lens = torch.tensor(query_lens)
         start_positions = torch.tensor(starts)
         query_start_loc = torch.zeros(len(slot_list) + 1, dtype=torch.int64)
-        torch.cumsum(query_lens, 0, out=query_start_loc[1:])
+        torch.cumsum(lens, 0, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
-        request_of_token = torch.repeat_interleave(torch.arange(len(slot_list)), query_lens)
+        request_of_token = torch.repeat_interleave(torch.arange(len(slot_list)), lens)
         positions = start_positions[request_of_token] + torch.arange(num_tokens) - query_start_loc[request_of_token]
-        input_ids = self.token_ids[slots[request_of_token], positions]
-        context_lens = start_positions + query_lens
+        context_lens = start_positions + lens
         max_blocks = int((context_lens.max() + self.block_size - 1) // self.block_size)
         block_tables = self.block_table[slots, :max_blocks]
         slot_mapping = (block_tables[request_of_token, positions // self.block_size] * self.block_size
                         + positions % self.block_size)
-        samples = []
-        for slot, num_new in zip(slot_list, plan.num_new_tokens):
+        return Query(self.token_ids[slots[request_of_token], positions], positions, slot_mapping, block_tables,
+                     context_lens, query_start_loc, lens)
+
+    def _prepare_any(self, plan: StepPlan, slot_list: list[int]) -> StepInputs:
+        """prepare() for any step: prompt chunks, several tokens a request, prompt positions to score."""
+        starts = [self.num_computed[s] for s in slot_list]
+        query = self.query(slot_list, starts, plan.num_new_tokens)
+        query_start_loc, query_lens = query.query_start_loc, query.query_lens
+        samples, num_drafts = [], []
+        for rid, slot, num_new in zip(plan.request_ids, slot_list, plan.num_new_tokens):
             self.num_computed[slot] += num_new
-            samples.append(self.num_computed[slot] == self.num_tokens[slot])
+            drafts = len(plan.spec_token_ids.get(rid, ()))
+            samples.append(self.num_computed[slot] == self.num_tokens[slot] + drafts)
+            if samples[-1]:
+                num_drafts.append(drafts)
         multi = (query_lens > 1).nonzero()
         logits_indices = (query_start_loc[1:] - 1)[torch.tensor(samples, dtype=torch.bool)]
+        if any(num_drafts):  # a verifying request samples at its last token and at each draft
+            rows = torch.tensor(num_drafts) + 1
+            offset = torch.arange(int(rows.sum())) - torch.repeat_interleave(rows.cumsum(0) - rows, rows)
+            logits_indices = torch.repeat_interleave(logits_indices, rows) - torch.repeat_interleave(rows - 1, rows) \
+                + offset
         prompt_rows, prompt_targets, owners = [], [], []
         for i, slot in enumerate(slot_list):  # requests that want prompt logprobs: the prompt positions they compute
             if self.prompt_logprobs[slot] is None:
@@ -156,10 +206,10 @@ class InputBatch:
                 owners.append((plan.request_ids[i], starts[i] + 1, end - starts[i], self.prompt_logprobs[slot]))
         if owners:
             logits_indices = torch.cat([logits_indices, *prompt_rows])
-        return StepInputs(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
-                          block_tables=block_tables, context_lens=context_lens,
-                          logits_indices=logits_indices,
+        return StepInputs(input_ids=query.input_ids, positions=query.positions, slot_mapping=query.slot_mapping,
+                          block_tables=query.block_tables, context_lens=query.context_lens,
+                          logits_indices=logits_indices, num_drafts=num_drafts if any(num_drafts) else [],
                           prompt_targets=torch.cat(prompt_targets) if owners else None, prompt_owners=owners,
-                          query_start_loc=query_start_loc.tolist(), context_lens_host=context_lens.tolist(),
+                          query_start_loc=query_start_loc.tolist(), context_lens_host=query.context_lens.tolist(),
                           num_decodes=int(multi[0, 0]) if len(multi) else len(slot_list),
                           sampling_slots=[s for s, sample in zip(slot_list, samples) if sample], slots=slot_list)

@@ -22,9 +22,11 @@ from mini_infer.model.ops import TunedWeight, select_backend
 from mini_infer.profiling import profiled
 from mini_infer.runner.graphs import CaptureReport, DecodeGraphs
 from mini_infer.runner.input_batch import InputBatch, StepInputs
+from mini_infer.runner.metadata import attention_metadata
 from mini_infer.runner.plan import StepPlan
 from mini_infer.runner.pooler import Pooler, PoolerOutput
 from mini_infer.runner.sampler import Sampler, SamplerOutput, prompt_logprobs
+from mini_infer.runner.spec_decode import Speculator
 
 
 class ModelRunner:
@@ -53,6 +55,9 @@ class ModelRunner:
             if comm.rank == 0 and config.pooler is None else None
         self.pooler = Pooler(config.task, config.pooler, mc.hidden_size, config.max_num_seqs, config.torch_dtype,
                              device) if comm.rank == 0 and config.pooler is not None else None
+        # Speculative decoding: rank 0 verifies drafts and proposes the next (runner/spec_decode.py)
+        self.speculator = Speculator(config, num_blocks, device) \
+            if self.sampler is not None and config.speculative_config is not None else None
         self.graphs: DecodeGraphs | None = None
         self.graph_report: CaptureReport | None = None
         # Graphs hold the GPU backend's decode steps on one rank (across ranks they would hold the collectives too).
@@ -82,6 +87,8 @@ class ModelRunner:
             for new in plan.new_requests:
                 self.sampler.add(new)
             self.sampler.append(*gained)
+        if self.speculator is not None:
+            self.speculator.admit(plan)
         if self.pooler is not None:
             for new in plan.new_requests:
                 self.pooler.add(new)
@@ -101,15 +108,24 @@ class ModelRunner:
                 return self.pooler(logits, inputs)
         if self.sampler is None or not (inputs.sampling_slots or inputs.prompt_owners):
             return None
-        num_sampled = len(inputs.sampling_slots)
+        num_sampled = len(inputs.sampling_slots) + sum(inputs.num_drafts)  # (a verifying request: 1 + k rows)
         with profiled("sampling"):
-            sampled = (self.sampler(logits[:num_sampled], inputs.sampling_slots, plan.grammar) if num_sampled
-                       else SamplerOutput([], []))
+            if not num_sampled:
+                sampled = SamplerOutput([], [])
+            elif self.speculator is not None:
+                sampled = self.speculator.sample(self.sampler, logits[:num_sampled], inputs, self.input_batch,
+                                                 plan.grammar)
+            else:
+                sampled = self.sampler(logits[:num_sampled], inputs.sampling_slots, plan.grammar)
             if inputs.prompt_owners:
                 sampled.prompt_logprobs = prompt_logprobs(logits[num_sampled:], inputs.prompt_targets,
                                                           inputs.prompt_owners, self.sampler.vocab_size,
                                                           self.sampler.largest)
-            return sampled
+        if self.speculator is not None and plan.propose and num_sampled:
+            with profiled("propose"):
+                sampled.draft_token_ids = self.speculator.propose(plan, inputs, self.input_batch,
+                                                                  sampled.num_emitted)
+        return sampled
 
     @torch.inference_mode()
     def forward(self, step: StepInputs) -> torch.Tensor | None:
@@ -119,17 +135,9 @@ class ModelRunner:
         hidden = self.graphs.run(step) if self.graphs is not None else None
         if hidden is not None:
             return self._last_stage_output(*hidden, step)
-        meta = AttentionMetadata(
-            slot_mapping=step.slot_mapping.to(**to), block_tables=step.block_tables.to(**to),
-            context_lens=step.context_lens.to(**to), query_start_loc=step.query_start_loc,
-            context_lens_host=step.context_lens_host, num_decodes=step.num_decodes)
-        if step.num_decodes < len(step.context_lens_host):  # prompt chunks: their offsets for the GPU's prefill
-            starts = step.query_start_loc
-            meta.query_start = torch.tensor(starts, dtype=torch.int32).to(**to)
-            meta.max_query_len = max(end - start for start, end in zip(starts[step.num_decodes:],
-                                                                       starts[step.num_decodes + 1:]))
-            if self.config.deterministic:
-                meta.token_rows = _token_rows(step, to)
+        meta = attention_metadata(step.slot_mapping, step.block_tables, step.context_lens, step.positions,
+                                  step.query_start_loc, step.context_lens_host, step.num_decodes, self.device,
+                                  self.config.deterministic)
         comm, shard = self.comm, self.comm.shard
         if shard.first_stage:
             inputs = step.input_ids.to(**to)
@@ -173,13 +181,6 @@ class ModelRunner:
             stats["decode_graphs"] = {"sizes": self.graph_report.sizes, "capture_s": self.graph_report.seconds,
                                       "memory_bytes": self.graph_report.memory_bytes}
         return stats
-
-
-def _token_rows(step: StepInputs, to: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's block-table row and context length (its position + 1): AttentionMetadata.token_rows."""
-    owner = torch.repeat_interleave(torch.arange(len(step.context_lens_host)),
-                                    torch.tensor(step.query_start_loc).diff())
-    return step.block_tables[owner].to(**to), (step.positions + 1).to(**to)
 
 
 def _unique_tensors(model: torch.nn.Module) -> list[torch.Tensor]:

@@ -1,6 +1,11 @@
 """StepPlan: what the scheduler tells the model runners each step, as plain data (the same small message goes to
 every rank). A request's data travels once, when it enters the batch; after that a step carries only what
-changed: the tokens each request gained since it last ran, its new KV blocks, and who left the batch."""
+changed: the tokens each request gained since it last ran, its new KV blocks, and who left the batch.
+
+Speculative decoding (docs/decisions/024): a request that verifies draft tokens computes 1 + k tokens, its last
+sampled token and its k drafts (spec_token_ids), and samples at each of those positions; the positions of drafts the
+target rejected are not computed after all, and the blocks past its tokens go back: the next plan that schedules it
+says so (computed_tokens, kept_blocks), so every rank's batch agrees with the scheduler again."""
 
 from __future__ import annotations
 
@@ -52,6 +57,14 @@ class StepPlan:
     finished_ids: list[str] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     grammar: GrammarBitmask | None = None  # when a structured-output request samples in this step
+    # Speculative decoding: the draft tokens each verifying request computes after its last token (num_new_tokens
+    # counts them); how many drafts rank 0 proposes, after this step, for each request that samples in it (a
+    # proposal is made only where asked); and, for requests whose batch rows ran ahead of the scheduler (a verify
+    # step's rejected positions, their blocks returned), their computed tokens and blocks as they are now.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    propose: dict[str, int] = field(default_factory=dict)
+    computed_tokens: dict[str, int] = field(default_factory=dict)
+    kept_blocks: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

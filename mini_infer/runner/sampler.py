@@ -54,6 +54,10 @@ class SamplerOutput:
     # Requests' prompt logprobs computed this step: request id -> (first scored prompt position, per position
     # (prompt token, its logprob, rank, the top-N ids, their logprobs)).
     prompt_logprobs: dict[str, tuple[int, list[tuple[int, float, int, list[int], list[float]]]]] | None = None
+    # Speculative decoding: per request that sampled, in order, how many of token_ids (and logprobs) are its own
+    # (its accepted drafts and one more; None: one each), and the drafts proposed for its next step.
+    num_emitted: list[int] | None = None
+    draft_token_ids: list[list[int]] | None = None
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, owners: list[tuple[str, int, int, int]],
@@ -308,6 +312,22 @@ class Sampler:
         if kept < self.vocab_size:
             return "top_k" if kept <= CANDIDATES else "sorted"
         return "top_p" if params.top_p < 1 else "plain"
+
+    def hold_draws(self, slots: list[int]) -> dict[int, torch.Tensor]:
+        """Before a verify step samples several positions of each of `slots`: the state of each seeded sampled
+        slot's generator, for keep_draws."""
+        return {slot: self._slot_generators[slot].get_state() for slot in slots
+                if self._slot_generators[slot] is not None and not self._params[slot].greedy}
+
+    def keep_draws(self, held: dict[int, torch.Tensor], used: dict[int, int]) -> None:
+        """After the verify step: each held generator as if it had drawn for the `used[slot]` positions the request
+        kept and no others, so that a seeded request draws position by position what it draws without
+        speculation."""
+        for slot, state in held.items():
+            generator = self._slot_generators[slot]
+            generator.set_state(state)
+            for _ in range(used[slot]):
+                torch.rand(1, dtype=torch.float64, generator=generator, device=self.device)
 
     def _uniforms(self, slots: list[int]) -> torch.Tensor:
         """One draw in (0, 1] per row: a seeded request's from its own generator (so its samples do not depend on

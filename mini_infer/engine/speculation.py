@@ -1,0 +1,93 @@
+"""Speculative decoding's bookkeeping on the scheduler's side: how many drafts a request verifies next (DraftPolicy),
+and the counts vLLM reports of it (SpecDecodeStats). docs/decisions/024-speculative-decoding.md.
+
+The adaptive rule: a request's drafts are accepted one after another, each (as far as we know) with the same chance
+a, estimated from its own verify steps (each draft examined is a trial: those accepted, and the first rejected one).
+The i-th draft then brings a^i tokens on average and costs about DRAFT_COST of a step (its row in the verify step,
+and a draft model's step to make it), so a request proposes the drafts with a^i >= DRAFT_COST, up to
+num_speculative_tokens. One whose estimate falls so low that it proposes none probes with a single draft after 4
+steps, then after 8, 16, ... 64 while the probes keep failing; an accepted draft resets that wait.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mini_infer.speculative_config import DRAFT_COST
+
+EMA_WEIGHT = 0.5  # of a verify step's rate in the running estimate (two or three steps dominate it)
+FIRST_PROBE_WAIT = 4
+LONGEST_PROBE_WAIT = 64
+
+
+@dataclass(slots=True)
+class DraftPolicy:
+    """One request's number of drafts per step."""
+
+    max_k: int
+    adaptive: bool = True
+    acceptance: float = 1.0  # the estimate of a draft's chance of acceptance (first steps: the most drafts)
+    wait: int = 0  # steps without drafts before the next probe
+    backoff: int = FIRST_PROBE_WAIT
+
+    def next_k(self) -> int:
+        """The drafts to propose for the request's next step (called once for each step it samples in)."""
+        if not self.adaptive:
+            return self.max_k
+        k = 0
+        while k < self.max_k and self.acceptance ** (k + 1) >= DRAFT_COST:
+            k += 1
+        if k:
+            return k
+        if self.wait:
+            self.wait -= 1
+            return 0
+        self.wait, self.backoff = self.backoff, min(2 * self.backoff, LONGEST_PROBE_WAIT)
+        return 1
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """A verify step's outcome: `accepted` of its `proposed` drafts kept."""
+        if not proposed:
+            return
+        trials = accepted + (accepted < proposed)
+        self.acceptance += EMA_WEIGHT * (accepted / trials - self.acceptance)
+        if accepted:
+            self.backoff = FIRST_PROBE_WAIT
+
+
+@dataclass(slots=True)
+class SpecDecodeStats:
+    """Running totals (vLLM's spec_decode counters): verify steps with drafts, draft tokens verified, of those
+    accepted, tokens emitted by verify steps (accepted + one each), and accepted drafts by position (0: the first)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        self.num_emitted_tokens += accepted + 1
+        if len(self.accepted_per_position) < proposed:
+            self.accepted_per_position += [0] * (proposed - len(self.accepted_per_position))
+        for position in range(accepted):
+            self.accepted_per_position[position] += 1
+
+    def __add__(self, other: SpecDecodeStats) -> SpecDecodeStats:
+        width = max(len(self.accepted_per_position), len(other.accepted_per_position))
+        per_position = [a + b for a, b in zip(self.accepted_per_position + [0] * width,
+                                              other.accepted_per_position + [0] * width)][:width]
+        return SpecDecodeStats(self.num_drafts + other.num_drafts, self.num_draft_tokens + other.num_draft_tokens,
+                               self.num_accepted_tokens + other.num_accepted_tokens,
+                               self.num_emitted_tokens + other.num_emitted_tokens, per_position)
+
+    def __radd__(self, other: int | SpecDecodeStats) -> SpecDecodeStats:
+        """sum() over replicas' stats starts from 0."""
+        return self + SpecDecodeStats() if other == 0 else other + self
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
