@@ -196,8 +196,7 @@ class Scheduler:
                 update.finished.append(request)
                 continue
             count = next(emitted, 1)  # the request's last token and its accepted drafts are computed, no more
-            request.num_computed_tokens += num_new - num_drafts + count - 1
-            self.kv_cache.cache_blocks(request_id, request.token_ids_slice, request.num_computed_tokens)
+            computed = request.num_computed_tokens + num_new - num_drafts + count - 1
             for _ in range(count):
                 token_id, logprobs = next(rows)
                 if request.finished:  # (a stop among the accepted drafts: the rest are dropped)
@@ -205,6 +204,9 @@ class Scheduler:
                 request.output_token_ids.append(token_id)
                 check_stop(request, token_id, request.grammar is not None and _advance_grammar(request, token_id))
                 update.sampled.append((request, token_id, logprobs))
+            # (after the tokens are appended: a block registers the tokens it holds; none past a stop)
+            request.num_computed_tokens = min(computed, request.num_tokens)
+            self.kv_cache.cache_blocks(request_id, request.token_ids_slice, request.num_computed_tokens)
             if num_drafts:
                 self.spec_stats.record(num_drafts, count - 1)
                 request.draft_policy.observe(num_drafts, count - 1)
