@@ -570,3 +570,27 @@ def test_bench_serve_without_a_server_says_so(capsys):
     sock.close()
     assert main(["bench-serve", "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "1"]) == 2
     assert "cannot reach a server" in capsys.readouterr().err
+
+
+def test_metrics_count_speculative_decoding(tiny_model_dir):
+    speculative = {"model": str(tiny_model_dir), "num_speculative_tokens": 3}  # the model as its own draft
+    engine = AsyncLLMEngine(LLMEngine.from_args(str(tiny_model_dir), **ENGINE_ARGS, speculative_config=speculative),
+                            EngineMetrics(MODEL_NAME))
+    with ServerThread(build_app(engine, MODEL_NAME)) as server:
+        # (the preset's generation_config sets Qwen2.5's repetition_penalty, under which a request does not speculate)
+        body = {"prompt": "one two three", "max_tokens": 12, "ignore_eos": True, "temperature": 0,
+                "repetition_penalty": 1.0}
+        assert post(server, "/v1/completions", body).json()["usage"]["completion_tokens"] == 12
+        samples = metric_samples(server)
+        spec = engine.engine.stats().spec_decode
+    engine.shutdown()
+
+    def value(name, **labels):
+        return samples[(name, frozenset(labels.items()))]
+
+    assert value("mini_infer:spec_decode_num_drafts_total") == spec.num_drafts > 0
+    assert value("mini_infer:spec_decode_num_draft_tokens_total") == spec.num_draft_tokens > 0
+    assert value("mini_infer:spec_decode_num_accepted_tokens_total") == spec.num_accepted_tokens > 0
+    assert value("mini_infer:spec_decode_num_emitted_tokens_total") == spec.num_emitted_tokens
+    for position, count in enumerate(spec.accepted_per_position):
+        assert value("mini_infer:spec_decode_num_accepted_tokens_per_pos_total", position=str(position)) == count

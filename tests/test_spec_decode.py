@@ -280,3 +280,17 @@ def test_trim_frees_blocks_past_the_tokens_first_in_eviction_order():
     assert kv.free_blocks()[:2] == [kept_blocks[3], kept_blocks[2]]  # garbage first: evicted before cached blocks
     assert kv.num_free_blocks == 6
     assert kv.trim("a", 8) == 2  # nothing past: unchanged
+
+
+def test_the_cli_flag_reaches_the_engine_config(models):
+    import argparse
+
+    from mini_infer.engine.arg_utils import EngineArgs
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--model", models[0], "--speculative-config", json.dumps(NGRAM)])
+    spec = EngineArgs.from_cli_args(args).create_engine_config().speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == (
+        "ngram", 3, 1, 3)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-config", "[1, 2]"])

@@ -70,6 +70,8 @@ class EngineArgs:
     max_replica_restarts: int = _default("max_replica_restarts")
     # structured outputs
     structured_outputs_max_whitespace: int | None = _default("structured_outputs_max_whitespace")
+    # speculative decoding
+    speculative_config: dict | None = _default("speculative_config")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -130,6 +132,12 @@ class EngineArgs:
                                  "json_object, tool calls) allows between its tokens (default "
                                  f"{_default('structured_outputs_max_whitespace')}, as llama.cpp's JSON grammars; "
                                  "off: unbounded); disable_any_whitespace still allows none")
+        parser.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                            help="speculative decoding, as vLLM's: '{\"method\": \"ngram\", "
+                                 "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' (drafts from the "
+                                 "request's own text) or '{\"model\": DRAFT_DIR, \"num_speculative_tokens\": 4}' (a "
+                                 "draft model of the same vocabulary); greedy output is unchanged, sampled output "
+                                 "keeps its distribution (README: Speculative decoding)")
         parallel = parser.add_argument_group("parallelism (README: Scale-out)")
         parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=_default("tensor_parallel_size"),
                               help="ranks that split every layer (Megatron-style)")

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from mini_infer.engine.scheduler import SchedulerStats
+from mini_infer.engine.speculation import SpecDecodeStats
 from mini_infer.outputs import PoolingRequestOutput, RequestOutput
 
 if TYPE_CHECKING:
@@ -57,6 +58,20 @@ class EngineMetrics:
                                           "Prompt tokens looked up in the prefix cache.", labels, **kw))
         self.prefix_hits = one(Counter("mini_infer:prefix_cache_hits", "Prompt tokens served by the prefix cache.",
                                        labels, **kw))
+        # Speculative decoding (vLLM's spec_decode counters), running totals of the scheduler's SpecDecodeStats.
+        self.spec_drafts = one(Counter("mini_infer:spec_decode_num_drafts", "Verify steps of a request with drafts.",
+                                       labels, **kw))
+        self.spec_draft_tokens = one(Counter("mini_infer:spec_decode_num_draft_tokens", "Draft tokens verified.",
+                                             labels, **kw))
+        self.spec_accepted = one(Counter("mini_infer:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                         labels, **kw))
+        self.spec_emitted = one(Counter("mini_infer:spec_decode_num_emitted_tokens",
+                                        "Tokens emitted by verify steps (accepted drafts and one more each).",
+                                        labels, **kw))
+        self._spec_per_position = Counter("mini_infer:spec_decode_num_accepted_tokens_per_pos",
+                                          "Draft tokens accepted, by their position among a step's drafts.",
+                                          labels + ["position"], **kw)
+        self._spec_seen = SpecDecodeStats()
         success = Counter("mini_infer:request_success", "Requests finished, by finish reason.",
                           labels + ["finished_reason"], **kw)
         self.success = {reason: success.labels(model_name=model_name, finished_reason=reason)
@@ -117,6 +132,15 @@ class EngineMetrics:
         self.prefix_queries.inc(stats.prefix_queries - queries_seen)
         self.prefix_hits.inc(stats.prefix_hits - hits_seen)
         self._prefix_seen = (stats.prefix_queries, stats.prefix_hits)
+        spec, seen = stats.spec_decode, self._spec_seen
+        self.spec_drafts.inc(spec.num_drafts - seen.num_drafts)
+        self.spec_draft_tokens.inc(spec.num_draft_tokens - seen.num_draft_tokens)
+        self.spec_accepted.inc(spec.num_accepted_tokens - seen.num_accepted_tokens)
+        self.spec_emitted.inc(spec.num_emitted_tokens - seen.num_emitted_tokens)
+        for position, count in enumerate(spec.accepted_per_position):
+            before = seen.accepted_per_position[position] if position < len(seen.accepted_per_position) else 0
+            self._spec_per_position.labels(model_name=self.model_name, position=str(position)).inc(count - before)
+        self._spec_seen = spec
 
 
 class _ReplicaCollector:
