@@ -577,9 +577,8 @@ def test_metrics_count_speculative_decoding(tiny_model_dir):
     engine = AsyncLLMEngine(LLMEngine.from_args(str(tiny_model_dir), **ENGINE_ARGS, speculative_config=speculative),
                             EngineMetrics(MODEL_NAME))
     with ServerThread(build_app(engine, MODEL_NAME)) as server:
-        # (the preset's generation_config sets Qwen2.5's repetition_penalty, under which a request does not speculate)
-        body = {"prompt": "one two three", "max_tokens": 12, "ignore_eos": True, "temperature": 0,
-                "repetition_penalty": 1.0}
+        # (with the preset's generation_config defaults: Qwen2.5's repetition_penalty among them)
+        body = {"prompt": "one two three", "max_tokens": 12, "ignore_eos": True, "temperature": 0}
         assert post(server, "/v1/completions", body).json()["usage"]["completion_tokens"] == 12
         samples = metric_samples(server)
         spec = engine.engine.stats().spec_decode

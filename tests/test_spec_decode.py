@@ -1,7 +1,8 @@
 """Speculative decoding: greedy requests give exactly the tokens of speculation off (float64, perturbed models) with
 every proposer (n-gram; a draft that is the target itself, so every draft is accepted; a slightly perturbed copy,
 so some are; an unrelated draft, so almost none are) in mixed batches with preemption, prefix caching, chunked
-prefill, n > 1, max_tokens at the boundary, stop strings, structured outputs, logprobs and tensor parallelism;
+prefill, n > 1, max_tokens at the boundary, stop strings, structured outputs, logprobs, penalties and tensor
+parallelism;
 sampled requests keep the target's distribution (chi-square against the exact law of a tiny vocabulary) and a seeded
 request its very tokens; aborts between verify steps leak no block, and no rejected position enters the prefix
 cache. Units: verify(), the n-gram lookup, the adaptive policy, the config's errors, KVCacheManager.trim."""
@@ -78,15 +79,21 @@ def test_greedy_tokens_equal_speculation_off_under_preemption_chunks_prefix_cach
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "self"])
-def test_logprobs_are_the_targets_and_seeded_samples_the_same_tokens(models, proposer):
+def test_logprobs_are_the_targets_and_seeded_and_penalised_samples_the_same_tokens(models, proposer):
     path, prompts, _, drafts = models
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3),
               SamplingParams(temperature=0.9, top_k=50, top_p=0.9, max_tokens=12, ignore_eos=True, seed=7,
                              logprobs=2),
-              SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=11)]
-    plain = LLM(path, dtype="float64", block_size=4).generate(prompts[:3], params, use_tqdm=False)
+              SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=11),
+              # penalties count the drafts before each verified position
+              SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3,
+                             frequency_penalty=0.4, presence_penalty=0.3),
+              SamplingParams(temperature=0.8, top_k=20, max_tokens=16, ignore_eos=True, seed=3,
+                             repetition_penalty=0.7, frequency_penalty=-0.5)]
+    prompts = prompts[:3] + [prompts[0], prompts[4]]
+    plain = LLM(path, dtype="float64", block_size=4).generate(prompts, params, use_tqdm=False)
     spec_llm = LLM(path, dtype="float64", block_size=4, speculative_config=drafts[proposer])
-    spec = spec_llm.generate(prompts[:3], params, use_tqdm=False)
+    spec = spec_llm.generate(prompts, params, use_tqdm=False)
     assert _tokens(spec) == _tokens(plain)
     for a, b in zip(spec[:2], plain[:2]):
         for position_a, position_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):

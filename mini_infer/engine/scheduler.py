@@ -104,21 +104,13 @@ class Scheduler:
         self.speculative = speculative
         self.max_model_len = max_model_len
         self.spec_stats = SpecDecodeStats()
-        self._warned_penalties = False
         self._left: list[str] = []  # finished since the last plan
         self._preempted: list[str] = []  # preempted while this plan is made
 
     def add(self, request: Request) -> None:
         spec = self.speculative
         if spec is not None and not request.pooling:
-            # Penalties count every token before a position: a draft's row would need its predecessors counted.
-            if not request.params.uses_penalties:
-                request.draft_policy = DraftPolicy(spec.num_speculative_tokens, spec.adaptive)
-            elif not self._warned_penalties:
-                self._warned_penalties = True
-                logger.warning("requests with repetition, frequency or presence penalties do not speculate (request "
-                               "%s; Qwen2.5's generation_config sets repetition_penalty: pass 1.0 to speculate)",
-                               request.request_id)
+            request.draft_policy = DraftPolicy(spec.num_speculative_tokens, spec.adaptive)
         if request.grammar is not None:
             if self.vocab_size is None:
                 raise ValueError("a structured-output request needs the scheduler's vocab_size (its bitmask width)")

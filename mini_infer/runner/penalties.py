@@ -66,10 +66,13 @@ class Penalties:
             self.seen_ids = grown
 
     def penalised(self, logits: torch.Tensor, slots: list[int], repetition: torch.Tensor, frequency: torch.Tensor,
-                  presence: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                  presence: torch.Tensor, dtype: torch.dtype,
+                  ahead: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids [R, W], values [R, W]): the tokens each row's request has seen and their logits after the repetition
         penalty (prompt or output tokens) and presence and frequency (output tokens), computed in `dtype`, as are
-        the penalty columns [R, 1]. The logits are only read."""
+        the penalty columns [R, 1]. The logits are only read. `ahead` [R, A] (-1 pads): output tokens each row
+        follows that its slot has not counted (a verify step's drafts before the row's position): seen, and
+        counted, too."""
         num_seen = [len(self.seen[s]) for s in slots]
         width = max(num_seen)
         index = torch.tensor(slots, device=self.device)
@@ -77,8 +80,13 @@ class Penalties:
         # Rows with fewer seen tokens repeat their first id: the same value written twice to the same place.
         ids = torch.where(torch.arange(width, device=self.device) < torch.tensor(num_seen, device=self.device)[:, None],
                           ids, ids[:, :1])
+        if ahead is not None:  # (a token ahead that the slot has seen too is the same value written twice again)
+            ids = torch.cat([ids, torch.where(ahead >= 0, ahead, ids[:, :1])], dim=1)
         values = logits.gather(1, ids).to(dtype)
-        counts = self.counts[index[:, None], ids].to(dtype)
+        counts = self.counts[index[:, None], ids]
+        if ahead is not None:
+            counts = counts + (ids[:, :, None] == ahead[:, None, :]).sum(dim=-1)
+        counts = counts.to(dtype)
         values = torch.where(values > 0, values / repetition, values * repetition)
         return ids, values - frequency * counts - presence * (counts > 0)
 

@@ -177,9 +177,11 @@ class Sampler:
 
     # ---- sampling ----
 
-    def __call__(self, logits: torch.Tensor, slots: list[int], grammar: GrammarBitmask | None = None) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, slots: list[int], grammar: GrammarBitmask | None = None,
+                 ahead: list[list[int]] | None = None) -> SamplerOutput:
         """Sample one token for each row of `logits`, row i belonging to the request in slots[i]; `grammar` limits
-        the tokens of its rows."""
+        the tokens of its rows; `ahead[i]`: output tokens row i follows past those its slot has counted (a verify
+        step's drafts before that row's position), which its penalties count."""
         params = [self._params[s] for s in slots]
         # The sampler's own copy when anything below edits it in place (the caller's logits stay as they are).
         biased = any(self._bias[s] is not None for s in slots)
@@ -190,7 +192,7 @@ class Sampler:
             return SamplerOutput(self.argmax(logits[:, : self.vocab_size]).tolist(), [None] * len(params))
         if (self.top_k is not None and not self.invariant and not wants_logprobs and not biased and grammar is None
                 and all(p.greedy or self._kept(p) <= CANDIDATES for p in params)):
-            return SamplerOutput(self._sample_top_k(logits, slots, params).tolist(), [None] * len(params))
+            return SamplerOutput(self._sample_top_k(logits, slots, params, ahead).tolist(), [None] * len(params))
         work = logits[:, : self.vocab_size].to(torch.promote_types(logits.dtype, torch.float32), copy=edits)
         raw_logprobs = torch.log_softmax(work, dim=-1) if wants_logprobs else None
         if grammar is not None:
@@ -199,7 +201,7 @@ class Sampler:
             self.apply_logit_bias(work, slots)
         self.mask_stop_tokens_under_min(work, slots)
         if any(p.uses_penalties for p in params):
-            self.apply_penalties(work, slots)
+            self.apply_penalties(work, slots, ahead)
         if all(p.greedy for p in params):
             tokens = self.argmax(work)
         else:
@@ -232,25 +234,31 @@ class Sampler:
                               torch.tensor(float("-inf"), dtype=logits.dtype, device=self.device))
         return logits
 
-    def apply_penalties(self, logits: torch.Tensor, slots: list[int]) -> torch.Tensor:
+    def apply_penalties(self, logits: torch.Tensor, slots: list[int],
+                        ahead: list[list[int]] | None = None) -> torch.Tensor:
         """Repetition penalty on tokens of the prompt or the output, presence and frequency on the output (in
         place)."""
-        ids, values = self._penalised(logits, slots, logits.dtype)
+        ids, values = self._penalised(logits, slots, logits.dtype, ahead)
         return logits.scatter_(1, ids, values)
 
-    def _penalised(self, logits: torch.Tensor, slots: list[int],
-                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ids [R, W] of the tokens each row's request has seen and their penalised logits in `dtype`."""
+    def _penalised(self, logits: torch.Tensor, slots: list[int], dtype: torch.dtype,
+                   ahead: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ids [R, W] of the tokens each row's request has seen (and those ahead of its slot's count) and their
+        penalised logits in `dtype`."""
         index = torch.tensor(slots, device=self.device)
 
         def column(name):
             return self._rows[name][index].to(dtype)[:, None]
 
+        extra = None
+        if ahead is not None and any(ahead):
+            width = max(map(len, ahead))
+            extra = torch.tensor([row + [-1] * (width - len(row)) for row in ahead], device=self.device)
         return self._penalties.penalised(logits, slots, column("repetition"), column("frequency"), column("presence"),
-                                         dtype)
+                                         dtype, extra)
 
-    def _sample_top_k(self, logits: torch.Tensor, slots: list[int],
-                      params: list[SamplingParams]) -> torch.Tensor:
+    def _sample_top_k(self, logits: torch.Tensor, slots: list[int], params: list[SamplingParams],
+                      ahead: list[list[int]] | None = None) -> torch.Tensor:
         """Tokens for a batch whose rows are greedy or keep at most CANDIDATES tokens, from each row's top_k (1 when
         greedy) likeliest after its penalties and min_tokens masks, found by `top_k` in one pass over the logits as
         they are (no copy of the vocabulary-wide rows, no sort): temperature, min_p, top_p and the draw then work
@@ -258,7 +266,7 @@ class Sampler:
         dtype = torch.promote_types(logits.dtype, torch.float32)  # what the full path computes in
         edit_ids, edit_values = [], []
         if any(p.uses_penalties for p in params):
-            ids, values = self._penalised(logits, slots, dtype)
+            ids, values = self._penalised(logits, slots, dtype, ahead)
             edit_ids.append(ids)
             edit_values.append(values)
         stops = [self._stop_ids[s] if self._num_outputs[s] < self._params[s].min_tokens else () for s in slots]
