@@ -1,8 +1,8 @@
 """Speculative decoding: greedy requests give exactly the tokens of speculation off (float64, perturbed models) with
 every proposer (n-gram; a draft that is the target itself, so every draft is accepted; a slightly perturbed copy,
 so some are; an unrelated draft, so almost none are) in mixed batches with preemption, prefix caching, chunked
-prefill, n > 1, max_tokens at the boundary, stop strings, structured outputs, logprobs, penalties and tensor
-parallelism;
+prefill, n > 1, max_tokens at the boundary, stop strings, structured outputs, logprobs, penalties, min_tokens
+and tensor parallelism;
 sampled requests keep the target's distribution (chi-square against the exact law of a tiny vocabulary) and a seeded
 request its very tokens; aborts between verify steps leak no block, and no rejected position enters the prefix
 cache. Units: verify(), the n-gram lookup, the adaptive policy, the config's errors, KVCacheManager.trim."""
@@ -89,12 +89,15 @@ def test_logprobs_are_the_targets_and_seeded_and_penalised_samples_the_same_toke
               SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3,
                              frequency_penalty=0.4, presence_penalty=0.3),
               SamplingParams(temperature=0.8, top_k=20, max_tokens=16, ignore_eos=True, seed=3,
-                             repetition_penalty=0.7, frequency_penalty=-0.5)]
-    prompts = prompts[:3] + [prompts[0], prompts[4]]
+                             repetition_penalty=0.7, frequency_penalty=-0.5),
+              # min_tokens masks its stop token in the rows before its min_tokens-th output only
+              SamplingParams(temperature=0.0, max_tokens=16, min_tokens=7, stop_token_ids=_eighth(path, prompts[1]))]
+    prompts = prompts[:3] + [prompts[0], prompts[4], prompts[1]]
     plain = LLM(path, dtype="float64", block_size=4).generate(prompts, params, use_tqdm=False)
     spec_llm = LLM(path, dtype="float64", block_size=4, speculative_config=drafts[proposer])
     spec = spec_llm.generate(prompts, params, use_tqdm=False)
     assert _tokens(spec) == _tokens(plain)
+    assert len(spec[-1].outputs[0].token_ids) == 8 and spec[-1].outputs[0].finish_reason == "stop"
     for a, b in zip(spec[:2], plain[:2]):
         for position_a, position_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert position_a.keys() == position_b.keys()
@@ -103,6 +106,17 @@ def test_logprobs_are_the_targets_and_seeded_and_penalised_samples_the_same_toke
                 assert entry.logprob == pytest.approx(position_b[token].logprob, abs=1e-9)
     if proposer == "self":
         assert spec_llm.engine.stats().spec_decode.num_accepted_tokens > 0
+
+
+def _eighth(path: str, prompt: list[int]) -> list[int]:
+    """The eighth token of the prompt's greedy continuation (not among the seven before it): as a stop token with
+    min_tokens 7 it ends the request there, in a verify step whose first row comes before the 7th output when 4
+    drafts a step are all accepted (outputs 1-5, then 6-10)."""
+    out = LLM(path, dtype="float64").generate([prompt], SamplingParams(temperature=0.0, max_tokens=8,
+                                                                       ignore_eos=True), use_tqdm=False)
+    tokens = out[0].outputs[0].token_ids
+    assert tokens[7] not in tokens[:7]
+    return [tokens[7]]
 
 
 def test_stop_strings_and_structured_outputs_end_where_speculation_off_ends(tiny_model_dir):

@@ -273,8 +273,6 @@ class Scheduler:
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """The proposed drafts a decoding request verifies this step: as many as the token budget and its max_tokens
         leave room for (with the token after them), up to the first its grammar would not take."""
-        if request.num_output_tokens < request.params.min_tokens:  # (its stop tokens masked in some rows only)
-            return []
         room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1)
         drafts = request.spec_token_ids[: max(room, 0)]
         if request.grammar is not None and drafts:

@@ -186,7 +186,7 @@ class Sampler:
         # The sampler's own copy when anything below edits it in place (the caller's logits stay as they are).
         biased = any(self._bias[s] is not None for s in slots)
         edits = (biased or grammar is not None or not all(p.greedy and not p.uses_penalties for p in params)
-                 or any(self._num_outputs[s] < self._params[s].min_tokens for s in slots))
+                 or any(self._under_min(slots, ahead)))
         wants_logprobs = any(p.logprobs is not None for p in params)
         if not edits and not wants_logprobs:  # plain greedy: the argmax of the logits as they are
             return SamplerOutput(self.argmax(logits[:, : self.vocab_size]).tolist(), [None] * len(params))
@@ -199,7 +199,7 @@ class Sampler:
             self.apply_grammar(work, grammar)
         if biased:
             self.apply_logit_bias(work, slots)
-        self.mask_stop_tokens_under_min(work, slots)
+        self.mask_stop_tokens_under_min(work, slots, ahead)
         if any(p.uses_penalties for p in params):
             self.apply_penalties(work, slots, ahead)
         if all(p.greedy for p in params):
@@ -222,11 +222,18 @@ class Sampler:
         values = torch.cat([values for _, (_, values) in entries]).to(logits.dtype)
         return logits.index_put_((rows, cols), values, accumulate=True)
 
-    def mask_stop_tokens_under_min(self, logits: torch.Tensor, slots: list[int]) -> torch.Tensor:
+    def _under_min(self, slots: list[int], ahead: list[list[int]] | None) -> list[bool]:
+        """Whether each row's position comes before its request's min_tokens-th output (the outputs its slot has
+        counted, and those ahead of them for a verify step's row)."""
+        ahead = ahead or [()] * len(slots)
+        return [self._num_outputs[s] + len(a) < self._params[s].min_tokens for s, a in zip(slots, ahead)]
+
+    def mask_stop_tokens_under_min(self, logits: torch.Tensor, slots: list[int],
+                                   ahead: list[list[int]] | None = None) -> torch.Tensor:
         """-inf, in place, on the stop token ids of the rows whose requests have fewer than min_tokens outputs."""
         rows, cols = [], []
-        for i, slot in enumerate(slots):
-            if self._num_outputs[slot] < self._params[slot].min_tokens:
+        for i, (slot, under) in enumerate(zip(slots, self._under_min(slots, ahead))):
+            if under:
                 rows.extend([i] * len(self._stop_ids[slot]))
                 cols.extend(self._stop_ids[slot])
         if rows:
@@ -269,7 +276,7 @@ class Sampler:
             ids, values = self._penalised(logits, slots, dtype, ahead)
             edit_ids.append(ids)
             edit_values.append(values)
-        stops = [self._stop_ids[s] if self._num_outputs[s] < self._params[s].min_tokens else () for s in slots]
+        stops = [self._stop_ids[s] if under else () for s, under in zip(slots, self._under_min(slots, ahead))]
         width = max(map(len, stops))
         if width:  # min_tokens masks: -inf (an id past the vocabulary pads a row)
             edit_ids.append(torch.tensor([(*ids, *(self.vocab_size,) * (width - len(ids))) for ids in stops],
