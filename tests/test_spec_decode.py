@@ -315,3 +315,17 @@ def test_the_cli_flag_reaches_the_engine_config(models):
         "ngram", 3, 1, 3)
     with pytest.raises(SystemExit):
         parser.parse_args(["--speculative-config", "[1, 2]"])
+
+
+def test_deterministic_mode_speculates_bit_for_bit_in_bfloat16(tiny_model_dir):
+    """Batch-invariant kernels (docs/decisions/023) make a verify row compute what a decode step computes: in
+    bfloat16 the outputs equal speculation off's, and the model as its own draft has every draft accepted."""
+    prompts = [list(range(1000, 1060)), list(range(2000, 2017)), [5, 6, 7]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    off = LLM(str(tiny_model_dir), dtype="bfloat16", deterministic=True)
+    on = LLM(str(tiny_model_dir), dtype="bfloat16", deterministic=True, speculative_config={
+        "model": str(tiny_model_dir), "num_speculative_tokens": 4, "adaptive": False})
+    assert _tokens(on.generate(prompts, greedy, use_tqdm=False)) == _tokens(off.generate(prompts, greedy,
+                                                                                          use_tqdm=False))
+    stats = on.engine.stats().spec_decode
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0

@@ -107,11 +107,12 @@ class Qwen2ForCausalLM(nn.Module):
     def _decoder_stack(self, num_tokens: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                        meta: AttentionMetadata) -> DecoderStack | None:
         """All the layers in one native call (kernels/decoder.py) for a step where every request decodes one token
-        and every matmul of that batch size runs natively; None where the layers run one op at a time (prefill,
-        torch's matmul, tensor parallel: there the projections' partial sums meet between the kernels)."""
+        (or every token has a row of its own: meta.token_rows) and every matmul of that batch size runs natively;
+        None where the layers run one op at a time (prefill, torch's matmul, tensor parallel: there the projections'
+        partial sums meet between the kernels)."""
+        rows = meta.token_rows[1].shape[0] if meta.token_rows is not None else meta.num_reqs
         if (not self.ops.runs("decode_layers") or not self.layers or self.shard.tp_size > 1
-                or meta.num_decodes != meta.num_reqs
-                or num_tokens != meta.num_reqs):
+                or (meta.token_rows is None and meta.num_decodes != meta.num_reqs) or num_tokens != rows):
             return None
         first = self.layers[0]
         weights = (first.self_attn.qkv_proj, first.self_attn.o_proj, first.mlp.gate_up_proj, first.mlp.down_proj)
@@ -162,9 +163,10 @@ class Qwen2ForCausalLM(nn.Module):
         x = self.embed(inputs) if self.shard.first_stage else inputs
         residual = None
         stack = self._decoder_stack(x.shape[0], kv_caches, meta)
-        if stack is not None:
+        if stack is not None:  # (with token rows: every token a row of its own, as a decode step's)
+            block_tables, context_lens = meta.token_rows or (meta.block_tables, meta.context_lens)
             with profiled("decoder_layers"):
-                return stack(x, positions, meta.slot_mapping, meta.block_tables, meta.context_lens)
+                return stack(x, positions, meta.slot_mapping, block_tables, context_lens)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta)
         return x, residual
