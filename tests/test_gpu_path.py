@@ -97,6 +97,15 @@ def test_preemption_prefix_caching_and_chunked_prefill_equal_hf(reference, monke
     assert llm.engine.kv_cache.num_free_blocks == blocks
 
 
+def test_speculative_verify_steps_equal_hf(reference):
+    """Verify steps (1 + k tokens a request, over a cached context) through the Triton prefill kernel, the model as
+    its own draft (every draft accepted unless float32 rounding parts them): HF's greedy tokens."""
+    path, _, prompts, expected = reference
+    llm = engine(path, max_num_seqs=3, speculative_config={"model": str(path), "num_speculative_tokens": 3})
+    assert generate(llm, prompts[:3]) == expected[:3]
+    assert llm.engine.stats().spec_decode.num_accepted_tokens > 0
+
+
 @pytest.mark.parametrize("architecture, extra", [("qwen3", dict(head_dim=32)), ("llama", {})])
 def test_qwen3_and_llama_equal_hf(architecture, extra, tmp_path):
     """Qwen3's per-head q/k norms in the fused RoPE + KV store kernel; Llama without a QKV bias."""
