@@ -13,7 +13,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -49,6 +49,16 @@ _QWEN25_05B = {
     "vocab_size": 151936,
 }
 
+# Qwen2.5-1.5B-Instruct's config: GQA of 12 query heads over 2 KV heads of 128, a tied LM head.
+_QWEN25_15B = {
+    **_QWEN25_05B,
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_attention_heads": 12,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 2,
+}
+
 # Qwen2.5-7B-Instruct's config: GQA of 28 query heads over 4 KV heads of 128, an untied LM head.
 _QWEN25_7B = {
     **_QWEN25_05B,
@@ -66,6 +76,7 @@ _QWEN25_7B = {
 # Configs in the published layout. "tiny" keeps the real vocabulary so the real tokenizer fits it.
 PRESETS: dict[str, dict] = {
     "qwen2.5-0.5b": _QWEN25_05B,
+    "qwen2.5-1.5b": _QWEN25_15B,
     "qwen2.5-7b": _QWEN25_7B,
     "tiny": {
         **_QWEN25_05B,
@@ -163,6 +174,10 @@ GENERATION_CONFIG = {
 }
 
 BIAS_STD = 0.02
+# Weights are sampled and written one shard at a time, so a write holds at most one shard's tensors (or one tensor
+# larger than a shard) in memory. 4 GB splits like the published checkpoints: Qwen2.5-7B-Instruct into four files,
+# Qwen2.5-0.5B and 1.5B not at all (one model.safetensors, no index).
+MAX_SHARD_BYTES = 4 * 10**9
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 NORM_STD = 0.1
 
@@ -256,20 +271,63 @@ def _init_mean_std(name: str, config: dict) -> tuple[float, float]:
     return 0.0, config["initializer_range"]
 
 
-def random_weights(config: dict, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Deterministic random tensors; biases and norm weights are perturbed too, so a loader that
-    drops them (zeros, ones) produces visibly different outputs."""
+def random_weights(config: dict, seed: int, dtype: torch.dtype,
+                   names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    """Deterministic random tensors (all of the model's, or those in `names`); biases and norm weights are perturbed
+    too, so a loader that drops them (zeros, ones) produces visibly different outputs."""
 
     def sample(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         mean, std = _init_mean_std(name, config)
-        # Sampled straight in the target dtype: no fp32 copy of the 0.5B model is ever alive.
+        # Sampled straight in the target dtype: no fp32 copy of any tensor is ever alive.
         return torch.empty(shape, dtype=dtype).normal_(mean, std, generator=_tensor_generator(seed, name))
 
     shapes = tensor_shapes(config)
+    if names is not None:
+        shapes = {name: shapes[name] for name in names}
     # torch's CPU sampler is single-threaded but releases the GIL, so threads scale with cores.
     with ThreadPoolExecutor(max_workers=torch.get_num_threads()) as pool:
         tensors = pool.map(sample, shapes.keys(), shapes.values())
         return dict(zip(shapes.keys(), tensors))
+
+
+def shard_plan(config: dict, dtype: torch.dtype, max_shard_bytes: int = MAX_SHARD_BYTES) -> list[list[str]]:
+    """The tensor names of each weight file, in checkpoint order, each file at most max_shard_bytes (a tensor larger
+    than that alone in its own)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, shape in tensor_shapes(config).items():
+        nbytes = math.prod(shape) * dtype.itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def write_weights(out_dir: str | os.PathLike, config: dict, seed: int, dtype: torch.dtype,
+                  max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
+    """Write the random weights as model.safetensors, or, past max_shard_bytes, as HF's shards
+    model-0000i-of-0000n.safetensors with model.safetensors.index.json; returns the weight files' names.
+
+    Each shard is sampled, saved and dropped before the next one is sampled."""
+    out_dir = Path(out_dir)
+    plan = shard_plan(config, dtype, max_shard_bytes)
+    files = (["model.safetensors"] if len(plan) == 1 else
+             [f"model-{i:05d}-of-{len(plan):05d}.safetensors" for i in range(1, len(plan) + 1)])
+    weight_map: dict[str, str] = {}
+    total_size = 0
+    for file, names in zip(files, plan):
+        weights = random_weights(config, seed, dtype, names)
+        save_file(weights, out_dir / file, metadata={"format": "pt"})
+        (out_dir / file).chmod(0o644)  # safetensors creates it owner-only
+        total_size += sum(tensor.nbytes for tensor in weights.values())
+        weight_map |= dict.fromkeys(names, file)
+        del weights  # up to a shard (4 GB): freed before the next one is sampled
+    if len(files) > 1:
+        _write_json(out_dir / "model.safetensors.index.json",
+                    {"metadata": {"total_size": total_size}, "weight_map": weight_map})
+    return files
 
 
 def _check_out_dir_free(out_dir: Path) -> None:
@@ -296,13 +354,15 @@ def make_model(
     layout: str = "published",
     overrides: dict | None = None,
     tokenizer_from: str | os.PathLike | None = None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> Path:
     """Write a random-weight checkpoint (config, generation config, weights, tokenizer) to out_dir.
 
     The tokenizer is built from the `dashscope` package's Qwen2.5 vocabulary, or copied (tokenizer.json and
     tokenizer_config.json) from the directory `tokenizer_from` (a machine without that package: one model written
     elsewhere lends its tokenizer). Files are written to a temp dir beside out_dir and renamed into place, so out_dir
-    either does not exist or holds a complete model.
+    either does not exist or holds a complete model. Weights past `max_shard_bytes` are split into HF's shards with
+    an index (write_weights), sampled and written one shard at a time.
     """
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
@@ -323,13 +383,10 @@ def make_model(
     try:
         write_config(staging, config, layout)
         _write_json(staging / "generation_config.json", GENERATION_CONFIG)
-        weights = random_weights(config, seed, DTYPES[dtype])
-        save_file(weights, staging / "model.safetensors", metadata={"format": "pt"})
-        (staging / "model.safetensors").chmod(0o644)  # safetensors creates it owner-only
+        write_weights(staging, config, seed, DTYPES[dtype], max_shard_bytes)
         for name, content in EXTRA_FILES.get(preset, {}).items():
             (staging / name).parent.mkdir(parents=True, exist_ok=True)
             _write_json(staging / name, content)
-        del weights  # ~1 GB for the 0.5B preset; free it before the tokenizer copy
         if tokenizer_files:
             for path in tokenizer_files:
                 shutil.copyfile(path, staging / path.name)
