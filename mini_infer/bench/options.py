@@ -16,10 +16,12 @@ from mini_infer.bench.systems import (CUDA_DEFAULT_SYSTEMS, CUDA_SYSTEMS, DEFAUL
 from mini_infer.bench.systems import SYSTEM_NAMES as SYSTEMS
 
 WORKLOADS = ("fixed", "prefill", "random", "nano-vllm", "parallel", "shared-prefix", "long-prompt", "kl",
-             "structured-outputs", "parallel-sampling", "matmul", "serving")
+             "structured-outputs", "parallel-sampling", "matmul", "serving", "speculative-draft",
+             "speculative-ngram")
 CUDA_WORKLOADS = ("fixed", "prefill", "random", "nano-vllm")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("bfloat16", "float32")
+SPECULATIVE_HALVES = ("draft", "ngram")
 _SIZES = {"dp": "data_parallel_size", "tp": "tensor_parallel_size", "pp": "pipeline_parallel_size"}
 
 
@@ -37,7 +39,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                              "parallel-sampling: one request of n = 4 against 4 separate ones; matmul: one decode "
                              "step's matmuls on each native path (with --quantization, quantised against bfloat16; "
                              "--batch-sizes are its row counts, --reps its rounds); serving: mini-infer's and vLLM's "
-                             "CPU servers under vLLM's load generator, short and long prompts (README: Serving)")
+                             "CPU servers under vLLM's load generator, short and long prompts (README: Serving); "
+                             "speculative-draft, speculative-ngram: see --speculative")
     parser.add_argument("--model", default=None, help="local HF-format model directory (default: the random-weight "
                                                       "qwen2.5-0.5b preset)")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
@@ -75,6 +78,38 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                                "each; throughput and memory per rank (implies --workload parallel)")
     parallel.add_argument("--parallel-batch-size", type=int, default=8)
     parallel.add_argument("--parallel-new-tokens", type=int, default=128)
+    speculative = parser.add_argument_group("speculative decoding (mini-infer only; bench/speculative.py)")
+    speculative.add_argument("--speculative", choices=SPECULATIVE_HALVES, default=None,
+                             help="draft: a draft model's cost, its proposals steered to a chosen acceptance alpha "
+                                  "(random weights make real acceptance meaningless), with the cost model's "
+                                  "prediction beside each speed-up; ngram: the n-gram proposer on output that copies "
+                                  "its prompt with edits. Every setting against speculation off measured just "
+                                  "before and after it (implies --workload speculative-draft or speculative-ngram)")
+    speculative.add_argument("--target", default=None,
+                             help="the target: a model directory or a factory preset (qwen2.5-0.5b, ...), written "
+                                  "under the mini-infer cache on first use (default: --model's)")
+    speculative.add_argument("--draft", default="qwen2.5-0.5b", help="the draft: a model directory or a preset")
+    speculative.add_argument("--draft-quantization", choices=("int8", "int4"), default=None,
+                             help="the draft's weights quantised at load (--quantization is the target's)")
+    speculative.add_argument("--deterministic", choices=("on", "off"), default="on",
+                             help="draft: every engine (speculation off too) in deterministic mode, where a verify "
+                                  "row computes bit for bit what a decode step computes, so the target's greedy "
+                                  "continuation stays known; off: the default arithmetic, whose bfloat16 near-ties "
+                                  "a verify row can decide otherwise, after which a request has no known "
+                                  "continuation (counted as diverged)")
+    speculative.add_argument("--alphas", default="0,0.5,0.7,0.9,1",
+                             help="comma list of the chance in [0, 1] that a draft position is the target's token "
+                                  "(0 always runs: the cost model's costs are measured there)")
+    speculative.add_argument("--ks", default="2,4,6", help="comma list of num_speculative_tokens, one engine each")
+    speculative.add_argument("--batches", default="1,4,16", help="comma list of batch sizes")
+    speculative.add_argument("--max-tokens", type=int, default=64,
+                             help="new tokens per request (draft; ngram's outputs are the passages' length)")
+    speculative.add_argument("--adaptive-alphas", default="0",
+                             help="comma list of the alphas also run with adaptive k (an engine per k), or 'none'")
+    speculative.add_argument("--prompt-lookup", default="2,4", help="ngram: MIN,MAX tokens of the suffix looked up")
+    speculative.add_argument("--edit-every", type=int, default=8, help="ngram: a word in this many is changed")
+    speculative.add_argument("--note", default=None,
+                             help="a line for the table's headline: what else ran on the machine, say")
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +135,19 @@ class BenchOptions:
     parallel: tuple[str, ...]
     parallel_batch_size: int
     parallel_new_tokens: int
+    speculative: str | None
+    target: str | None
+    draft: str
+    draft_quantization: str | None
+    deterministic: str
+    alphas: tuple[float, ...]
+    ks: tuple[int, ...]
+    batches: tuple[int, ...]
+    max_tokens: int
+    adaptive_alphas: tuple[float, ...]
+    prompt_lookup: tuple[int, int]
+    edit_every: int
+    note: str | None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> BenchOptions:
@@ -121,9 +169,13 @@ class BenchOptions:
                 systems += [name for name, (base, kind) in QUANTIZED_SYSTEMS.items()
                             if base in systems and kind in (method, GGUF_TYPE[method]) and name not in systems]
         workload = "parallel" if args.parallel is not None else args.workload
+        if args.speculative is not None:
+            workload = f"speculative-{args.speculative}"
+        if workload.startswith("speculative") and len(methods) > 1:
+            raise ValueError(f"--quantization: the speculative workloads quantise the target one way, got {methods}")
         reps = args.reps if args.reps is not None else (1 if workload == "random" else 3)
         for flag in ("--reps", "--parallel-batch-size", "--parallel-new-tokens", "--prompt-len", "--max-new-tokens",
-                     "--warmup-tokens", "--num-requests", "--batch-size"):
+                     "--warmup-tokens", "--num-requests", "--batch-size", "--max-tokens", "--edit-every"):
             at_least_one(flag, reps if flag == "--reps" else getattr(args, flag[2:].replace("-", "_")))
         out = Path(args.out) if args.out else Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
         given = {f.name: getattr(args, f.name) for f in fields(cls)}  # the flags kept as parsed
@@ -132,7 +184,13 @@ class BenchOptions:
                       "batch_sizes": tuple(sorted(set(int_list("--batch-sizes", args.batch_sizes)))),
                       "input_len_range": _range("--input-len-range", args.input_len_range),
                       "output_len_range": _range("--output-len-range", args.output_len_range),
-                      "parallel": _layouts(args.parallel if args.parallel is not None else "single,dp2,tp2,pp2")})
+                      "parallel": _layouts(args.parallel if args.parallel is not None else "single,dp2,tp2,pp2"),
+                      "alphas": _alphas("--alphas", args.alphas),
+                      "adaptive_alphas": () if args.adaptive_alphas.strip() == "none"
+                      else _alphas("--adaptive-alphas", args.adaptive_alphas),
+                      "ks": tuple(sorted(set(int_list("--ks", args.ks)))),
+                      "batches": tuple(sorted(set(int_list("--batches", args.batches)))),
+                      "prompt_lookup": _range("--prompt-lookup", args.prompt_lookup)})
 
 
 def _check_device(args: argparse.Namespace, systems: list[str]) -> None:
@@ -190,6 +248,16 @@ def int_list(flag: str, text: str) -> tuple[int, ...]:
         values = ()
     if not values or any(v < 1 for v in values):
         raise ValueError(f"{flag} must be a comma list of integers >= 1, got {text!r}")
+    return values
+
+
+def _alphas(flag: str, text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(sorted({float(part) for part in text.split(",")}))
+    except ValueError:
+        values = ()
+    if not values or any(not 0 <= v <= 1 for v in values):
+        raise ValueError(f"{flag} must be a comma list of numbers in [0, 1], got {text!r}")
     return values
 
 

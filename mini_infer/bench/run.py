@@ -15,6 +15,7 @@ from mini_infer.bench.prompts import NANO_VLLM_HIGH
 from mini_infer.bench.parallel import PARALLEL
 from mini_infer.bench.report import Workload, describe_machine, format_table, machine_info, versions, write_json
 from mini_infer.bench.serving import SERVING
+from mini_infer.bench.speculative import SPECULATIVE_DRAFT, SPECULATIVE_NGRAM
 from mini_infer.bench.throughput import FIXED, NANO_VLLM, PREFILL, RANDOM
 from mini_infer.config import ModelConfig
 from mini_infer.kernels.autotune import describe_choices
@@ -22,7 +23,8 @@ from mini_infer.kernels.autotune import describe_choices
 WORKLOADS = {  # one per options.WORKLOADS name
     "fixed": FIXED, "prefill": PREFILL, "random": RANDOM, "nano-vllm": NANO_VLLM, "parallel": PARALLEL,
     "shared-prefix": SHARED_PREFIX, "long-prompt": LONG_PROMPT, "kl": KL, "structured-outputs": STRUCTURED_OUTPUTS,
-    "parallel-sampling": PARALLEL_SAMPLING, "matmul": MATMUL, "serving": SERVING}
+    "parallel-sampling": PARALLEL_SAMPLING, "matmul": MATMUL, "serving": SERVING,
+    "speculative-draft": SPECULATIVE_DRAFT, "speculative-ngram": SPECULATIVE_NGRAM}
 
 
 def _log(message: str) -> None:
@@ -75,6 +77,8 @@ def _check_lengths(options: BenchOptions, model_dir: str) -> None:
                "nano-vllm": ("nano-vllm's longest request", NANO_VLLM_HIGH + NANO_VLLM_HIGH),
                "structured-outputs": ("--prompt-len + --max-new-tokens", options.prompt_len + options.max_new_tokens),
                "parallel-sampling": ("--prompt-len + --max-new-tokens", options.prompt_len + options.max_new_tokens),
+               "speculative-draft": ("--prompt-len + --max-tokens + the largest of --ks",
+                                     options.prompt_len + options.max_tokens + max(options.ks)),
                }.get(options.workload)
     if longest is not None and longest[1] > limit:
         raise ValueError(f"{longest[0]} must be <= {limit} (the model's max_position_embeddings), got {longest[1]}")
