@@ -32,6 +32,8 @@ target verifies them with real forwards, its grammar filling a bitmask row per v
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -265,7 +267,7 @@ def run_bracketed(options: BenchOptions, target: str, engine_args: dict, setting
                         result.off_consistent = False
                     log(f"off (bracket {index}) B={size} rep {rep + 1}: {run.tok_s:.2f} decode tok/s")
         finally:
-            system.close()
+            _close(system)
         result.off.append(bracket)
 
     off_bracket(0)
@@ -286,9 +288,22 @@ def run_bracketed(options: BenchOptions, target: str, engine_args: dict, setting
                         log(f"{setting.name} B={size} alpha={alpha} rep {rep + 1}: {run.tok_s:.2f} decode tok/s, "
                             f"acceptance {'-' if accepted is None else f'{accepted:.2f}'}")
         finally:
-            system.close()
+            _close(system)
+            del system, oracle
         off_bracket(index)
     return result
+
+
+def _close(system: MiniInferSystem) -> None:
+    """Shut the engine down and give its memory back before the next one loads (a 7B target's 15 GB of bfloat16
+    weights pass through memory at each load): its reference cycles collected, glibc's freed heap trimmed."""
+    system.close()
+    system.engine = None
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _continuations(tag: str, prompts: list[list[int]], outputs: list[list[int]] | None) -> dict[str, list[int]]:
