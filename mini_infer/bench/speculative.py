@@ -70,10 +70,10 @@ class OracleProposer:
     """The engine's own proposer, its proposals then steered: with `alpha` set, each draft position of a request
     becomes its known continuation's token with probability alpha (one seeded draw per position), else a token the
     continuation does not hold there (the draft's own, or the id after it where the draft was right by itself, so
-    that acceptance follows alpha exactly; those are counted). A request whose tokens left its continuation (a verify
-    row's bfloat16 rounding can decide a near-tie otherwise than a decode step) has no known continuation from then
-    on: its drafts pass as proposed, and it is counted. With alpha None every proposal passes as it is. The wrapped
-    proposer's time is summed in `seconds` either way."""
+    that acceptance follows alpha exactly; those are counted). A request whose tokens left its continuation (in the
+    default arithmetic a verify row's bfloat16 rounding can decide a near-tie otherwise than a decode step) has no
+    known continuation from then on: its drafts pass as proposed, and it is counted. With alpha None every proposal
+    passes as it is. The wrapped proposer's time is summed in `seconds` either way."""
 
     def __init__(self, inner, batch, vocab_size: int, seed: int) -> None:
         self.inner, self.batch, self.vocab_size, self.seed = inner, batch, vocab_size, seed
