@@ -329,3 +329,23 @@ def test_deterministic_mode_speculates_bit_for_bit_in_bfloat16(tiny_model_dir):
                                                                                           use_tqdm=False))
     stats = on.engine.stats().spec_decode
     assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+
+
+def test_a_draft_models_lookahead_never_holds_back_an_admission(models):
+    """A pool of exactly the blocks a 16-token prompt and its 4 outputs need (block size 4): the lookahead slots of
+    a draft model's proposals would not fit beside the admission's spare block, so the request is admitted without
+    them (before, it waited for them for ever) and gives speculation off's tokens."""
+    path, _, _, drafts = models
+    prompt = list(range(100, 116))
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    settings = dict(dtype="float64", block_size=4, num_kv_blocks=5, max_num_seqs=1)
+    want = _tokens(LLM(path, **settings).generate([prompt], greedy, use_tqdm=False))
+    engine = LLM(path, **settings, speculative_config=drafts["self"]).engine
+    engine.add_request("a", prompt, greedy)
+    outputs = []
+    for _ in range(20):  # (a request that cannot be admitted would never finish)
+        outputs += [o for o in engine.step() if o.finished]
+        if not engine.has_unfinished_requests():
+            break
+    assert [[o.outputs[0].token_ids] for o in outputs] == want
+    assert engine.kv_cache.num_free_blocks == 5

@@ -144,8 +144,8 @@ class Scheduler:
             drafts = self._drafts(request, budget) if num_new == 1 and request.spec_token_ids else []
             num_new += len(drafts)
             samples = request.num_computed_tokens + num_new == request.num_tokens + len(drafts)
-            if self._grow_or_preempt(request, num_new + self._lookahead(request, num_new, samples), plan):
-                self._plan_add(plan, request, num_new, drafts, self._proposal(request, samples))
+            if self._grow_or_preempt(request, num_new, plan):
+                self._plan_add(plan, request, num_new, drafts, self._drafts_to_propose(request, num_new, samples))
                 shape.add(num_new, request.num_computed_tokens, request.num_prompt_tokens)
                 budget -= num_new
         budget = self.max_num_batched_tokens - plan.num_tokens  # a preempted group's planned tokens come back
@@ -292,6 +292,17 @@ class Scheduler:
         room = request.max_tokens - request.num_output_tokens - 2
         return min(request.draft_policy.next_k(), room) if room > 0 else 0
 
+    def _drafts_to_propose(self, request: Request, num_new: int, samples: bool, reserve: int = 0) -> int:
+        """_proposal's number, where a draft model's lookahead slots fit in the free blocks beyond `reserve`; none
+        where they do not (they never preempt a request nor hold back an admission)."""
+        lookahead = self._lookahead(request, num_new, samples)
+        if lookahead:
+            kv, end = self.kv_cache, request.num_computed_tokens + num_new + lookahead
+            needed = kv.blocks_for(end) - kv.num_blocks_owned(request.request_id)
+            if needed > kv.num_free_blocks - reserve or not kv.allocate_slots(request.request_id, end):
+                return 0
+        return self._proposal(request, samples)
+
     def _lookahead(self, request: Request, num_new: int, samples: bool) -> int:
         """Slots past this step's tokens where a draft model's proposals after it write their own K/V (as many as
         it may propose, within max_model_len); none for the ngram method or a request that does not sample."""
@@ -318,19 +329,18 @@ class Scheduler:
         blocks = self.kv_cache.blocks_for
         decodes = num_new == remaining and not request.pooling  # (a pooling request ends with its prompt)
         extra = blocks(request.num_tokens + 1) - blocks(request.num_tokens) if decodes else 0
-        request.num_computed_tokens = cached  # (what _lookahead counts from; a request waits with none computed)
-        lookahead = self._lookahead(request, num_new, decodes)
-        if not self.kv_cache.allocate_with_prefix(request.request_id, hits, cached + num_new + lookahead,
+        if not self.kv_cache.allocate_with_prefix(request.request_id, hits, cached + num_new,
                                                   len(self.running) + extra):
-            request.num_computed_tokens = 0
             return 0, 0
         self.kv_cache.count_prefix_query(request.num_tokens, cached)
         self.waiting.popleft()
         request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = cached
         if request.num_cached_tokens is None:  # (a recompute after preemption is not the client's cache hit)
             request.num_cached_tokens = cached
+        propose = self._drafts_to_propose(request, num_new, decodes, len(self.running) + extra)
         self.running.append(request)
-        return num_new, self._proposal(request, decodes)
+        return num_new, propose
 
     def _grow_or_preempt(self, request: Request, num_slots: int, plan: StepPlan) -> bool:
         """Slots for the request's next `num_slots` tokens, preempting the most recently admitted running requests
