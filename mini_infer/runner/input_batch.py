@@ -100,28 +100,17 @@ class InputBatch:
         """Write tokens into slots' rows from given positions on, past their counted tokens and without counting
         them: (slot, first position, tokens) each (drafts, and what a verify step emitted before the next plan
         brings it)."""
-        rows, cols, values = [], [], []
-        for slot, start, tokens in writes:
-            rows += [slot] * len(tokens)
-            cols += range(start, start + len(tokens))
-            values += tokens
-        if rows:
-            self.token_ids.index_put_((torch.tensor(rows), torch.tensor(cols)), torch.tensor(values))
+        _put(self.token_ids, writes)
 
     @staticmethod
     def _append(additions: list[tuple[int, list[int]]], lengths: list[int],
                 table: torch.Tensor) -> tuple[list[int], list[int]]:
         """Write each slot's new values after its current ones, in one index_put; (row of each value, values)."""
-        rows, cols, values = [], [], []
+        writes = []
         for slot, new in additions:
-            start = lengths[slot]
-            rows += [slot] * len(new)
-            cols += range(start, start + len(new))
-            values += new
-            lengths[slot] = start + len(new)
-        if rows:
-            table.index_put_((torch.tensor(rows), torch.tensor(cols)), torch.tensor(values, dtype=table.dtype))
-        return rows, values
+            writes.append((slot, lengths[slot], new))
+            lengths[slot] += len(new)
+        return _put(table, writes)
 
     def prepare(self, plan: StepPlan) -> StepInputs:
         """The step's inputs from the batch's rows; counts the scheduled tokens as computed."""
@@ -213,3 +202,15 @@ class InputBatch:
                           query_start_loc=query_start_loc.tolist(), context_lens_host=query.context_lens.tolist(),
                           num_decodes=int(multi[0, 0]) if len(multi) else len(slot_list),
                           sampling_slots=[s for s, sample in zip(slot_list, samples) if sample], slots=slot_list)
+
+
+def _put(table: torch.Tensor, writes: list[tuple[int, int, list[int]]]) -> tuple[list[int], list[int]]:
+    """Each (row, first column, values) written into `table` in one index_put; (row of each value, values)."""
+    rows, cols, values = [], [], []
+    for row, start, new in writes:
+        rows += [row] * len(new)
+        cols += range(start, start + len(new))
+        values += new
+    if rows:
+        table.index_put_((torch.tensor(rows), torch.tensor(cols)), torch.tensor(values, dtype=table.dtype))
+    return rows, values
