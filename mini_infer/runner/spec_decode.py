@@ -153,14 +153,14 @@ class Speculator:
         proposers read them before the next plan brings them."""
         slots, num_drafts = step.sampling_slots, step.num_drafts or [0] * len(step.sampling_slots)
         rows = [slot for slot, k in zip(slots, num_drafts) for _ in range(k + 1)]
-        held = sampler.hold_draws([slot for slot, k in zip(slots, num_drafts) if k])
-        drafts = [batch.token_ids[slot, batch.num_tokens[slot]: batch.num_tokens[slot] + k].tolist()
-                  for slot, k in zip(slots, num_drafts)]
-        ahead = [tokens[:i] for tokens in drafts for i in range(len(tokens) + 1)]  # each row's drafts before it
-        sampled = sampler(logits, rows, grammar, ahead)
-        if not step.num_drafts:
-            emitted = [1] * len(slots)
+        if not step.num_drafts:  # (a step without drafts samples as plain decoding does)
+            sampled, emitted = sampler(logits, rows, grammar), [1] * len(slots)
         else:
+            held = sampler.hold_draws([slot for slot, k in zip(slots, num_drafts) if k])
+            drafts = [batch.token_ids[slot, batch.num_tokens[slot]: batch.num_tokens[slot] + k].tolist()
+                      for slot, k in zip(slots, num_drafts)]
+            ahead = [tokens[:i] for tokens in drafts for i in range(len(tokens) + 1)]  # each row's drafts before it
+            sampled = sampler(logits, rows, grammar, ahead)
             emitted = verify(torch.tensor(sampled.token_ids), num_drafts, drafts)
             sampler.keep_draws(held, dict(zip(slots, emitted)))
             keep = [row for start, count in zip(_starts(num_drafts), emitted) for row in range(start, start + count)]
