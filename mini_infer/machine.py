@@ -37,6 +37,16 @@ def cpu() -> Cpu:
                frozenset(fields.get("flags", "").split()))
 
 
+def available_memory() -> int | None:
+    """The bytes the kernel reckons it could give this process now (/proc/meminfo's MemAvailable; None where there is
+    no such file)."""
+    meminfo = Path("/proc/meminfo")
+    for line in meminfo.read_text().splitlines() if meminfo.is_file() else []:
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
 def usable_cores() -> int:
     """The cores this process may run on (its affinity), which torch's threads and the ranks share."""
     return len(os.sched_getaffinity(0))

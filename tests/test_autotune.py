@@ -133,6 +133,30 @@ def test_a_weight_keeps_only_the_forms_its_winners_need(winners, layouts, dense)
     assert set(module.weight.packed) == layouts and (module.weight.dense is not None) == dense
 
 
+@needs_kernels
+@pytest.mark.parametrize("available, kept", [(10**12, True), (3 * 40 * 24, False)])
+def test_torchs_second_copy_is_kept_only_where_memory_allows(monkeypatch, available, kept):
+    """The 40 x 24 bf16 weight's dense copy is 1920 bytes: kept beside 1 TB available, not beside 2880 bytes (more
+    than half), where torch's bucket runs its neighbour's native path and a warning says so."""
+    monkeypatch.setattr(ops_module.machine, "available_memory", lambda: available)
+    module = torch.nn.Module()
+    module.weight = torch.nn.Parameter(torch.randn(40, 24).to(torch.bfloat16))
+    winners = ("avx512_bf16",) * 9 + ("torch",)
+    tuned = ops_module.Ops(True, "test", _FixedTuner(winners))
+    if kept:
+        tuned.prepare([(module, "weight")])
+    else:
+        with pytest.warns(UserWarning, match="nearest native winner"):
+            tuned.prepare([(module, "weight")])
+    assert (module.weight.dense is not None) == kept
+    assert module.weight.winners == (winners if kept else ("avx512_bf16",) * 10)
+
+
+def test_native_only_gives_torchs_buckets_the_nearest_native_winner():
+    assert ops_module.native_only(("a", "torch", "torch", "b", "torch")) == ("a", "a", "b", "b", "b")
+    assert ops_module.native_only(("torch", "torch")) == ("torch", "torch")
+
+
 class _FixedTuner:
     def __init__(self, winners):
         self._winners = winners

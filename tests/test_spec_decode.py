@@ -247,17 +247,20 @@ def test_ngram_lookup_takes_the_latest_longest_match():
 
 def test_adaptive_policy_stops_proposing_then_probes_with_growing_waits():
     policy = DraftPolicy(max_k=4)
-    assert policy.next_k() == 4
     ks = []
     for _ in range(40):
         k = policy.next_k()
         ks.append(k)
         policy.observe(k, 0)
-    assert ks[:5] == [4, 3, 1, 1, 1]  # the estimate halves with each failed step (a^i >= 0.1 decides k)
+    # An even chance at first (0.5^3 >= 0.1 > 0.5^4), halved by each failed step, then 4 steps without drafts.
+    assert ks[:8] == [3, 1, 1, 0, 0, 0, 0, 1]
     zeros = [len(run) for run in "".join("x" if k == 0 else "|" for k in ks).split("|") if run]
     assert zeros[:-1] == [4, 8, 16]  # waits between failed probes of one draft double (the last run is cut short)
     policy.observe(1, 1)  # an accepted probe: drafts come back
     assert policy.next_k() >= 1
+    accepting = DraftPolicy(max_k=4)
+    accepting.observe(accepting.next_k(), 3)  # all 3 first drafts accepted: the estimate rises to 0.75
+    assert accepting.next_k() == 4
     assert DraftPolicy(max_k=3, adaptive=False).next_k() == 3
 
 

@@ -5,8 +5,11 @@ The adaptive rule: a request's drafts are accepted one after another, each (as f
 a, estimated from its own verify steps (each draft examined is a trial: those accepted, and the first rejected one).
 The i-th draft then brings a^i tokens on average and costs about DRAFT_COST of a step (its row in the verify step,
 and a draft model's step to make it), so a request proposes the drafts with a^i >= DRAFT_COST, up to
-num_speculative_tokens. One whose estimate falls so low that it proposes none probes with a single draft after 4
-steps, then after 8, 16, ... 64 while the probes keep failing; an accepted draft resets that wait.
+num_speculative_tokens. A new request's estimate starts at PRIOR_ACCEPTANCE, an even chance (3 drafts of 4 at
+first, where starting at certainty proposed all 4, then 3, and at alpha 0 those first steps' drafts were most of
+what adaptive k cost: 0.93x on a 7B target). One whose estimate falls so low that it proposes none probes with a
+single draft after 4 steps without drafts, then after 8, 16, ... 64 while the probes keep failing; an accepted
+draft resets that wait.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass, field
 from mini_infer.speculative_config import DRAFT_COST
 
 EMA_WEIGHT = 0.5  # of a verify step's rate in the running estimate (two or three steps dominate it)
+PRIOR_ACCEPTANCE = 0.5
 FIRST_PROBE_WAIT = 4
 LONGEST_PROBE_WAIT = 64
 
@@ -26,9 +30,9 @@ class DraftPolicy:
 
     max_k: int
     adaptive: bool = True
-    acceptance: float = 1.0  # the estimate of a draft's chance of acceptance (first steps: the most drafts)
-    wait: int = 0  # steps without drafts before the next probe
-    backoff: int = FIRST_PROBE_WAIT
+    acceptance: float = PRIOR_ACCEPTANCE  # the estimate of a draft's chance of acceptance
+    wait: int = FIRST_PROBE_WAIT  # steps without drafts before the next probe
+    backoff: int = 2 * FIRST_PROBE_WAIT  # the wait after that probe, should it fail
 
     def next_k(self) -> int:
         """The drafts to propose for the request's next step (called once for each step it samples in)."""
@@ -52,7 +56,7 @@ class DraftPolicy:
         trials = accepted + (accepted < proposed)
         self.acceptance += EMA_WEIGHT * (accepted / trials - self.acceptance)
         if accepted:
-            self.backoff = FIRST_PROBE_WAIT
+            self.wait, self.backoff = FIRST_PROBE_WAIT, 2 * FIRST_PROBE_WAIT
 
 
 @dataclass(slots=True)

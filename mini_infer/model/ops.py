@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mini_infer import machine
 from mini_infer.config import CPU_KERNEL_MODES, QUANTIZATION_METHODS, EngineConfig
 from mini_infer.kernels import cpu, fused, quant
 from mini_infer.kernels.autotune import (BUCKETS, LinearTuner, bucket_index, last_level_cache_bytes, machine_key,
@@ -50,6 +51,19 @@ class TunedWeight:
             return self.packed["quant"]
         dtype = self.dense.dtype if self.dense is not None else next(iter(self.packed.values())).dtype
         return self.packed[cpu.weight_layout(path, dtype)]
+
+
+# The most of the memory available at load that torch's second copies of the weights may take (Ops._float_winners).
+DENSE_COPY_SHARE = 0.5
+
+
+def native_only(winners: tuple[str, ...]) -> tuple[str, ...]:
+    """Per bucket, the winner where it is native, else the nearest native bucket's (the smaller one on a tie);
+    all-torch winners stay as they are (torch's is then the only copy)."""
+    native = [i for i, winner in enumerate(winners) if winner != "torch"]
+    if not native:
+        return winners
+    return tuple(winners[min(native, key=lambda n: (abs(n - i), n))] for i in range(len(winners)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +178,7 @@ class Ops:
         packed as it is."""
         if not self.native and self.quantization is None:
             return
+        float_winners = self._float_winners(linear_weights)
         for module, name in linear_weights:
             weight = getattr(module, name)
             module._parameters.pop(name, None)  # a tied head keeps the embedding registered under its own name
@@ -181,7 +196,7 @@ class Ops:
             if self.tuner is None:
                 setattr(module, name, cpu.pack_weight(weight, cpu.weight_layout(self.path, weight.dtype)))
                 continue
-            winners = self.tuner.winners(*weight.shape)
+            winners = float_winners[id(module), name]
             self.chosen["x".join(map(str, weight.shape))] = list(winners)
             layouts = {cpu.weight_layout(w, weight.dtype) for w in winners if w != "torch"}
             setattr(module, name, TunedWeight({layout: cpu.pack_weight(weight, layout) for layout in sorted(layouts)},
@@ -189,6 +204,28 @@ class Ops:
         for tuner in (self.tuner, *self.quant_tuners.values()):
             if isinstance(getattr(tuner, "timer", None), _LinearTimer):
                 tuner.timer.release()
+
+    def _float_winners(self, linear_weights: list[tuple[nn.Module, str]]) -> dict[tuple[int, str], tuple[str, ...]]:
+        """The tuner's winners for each weight that stays float, by (id(module), name). A weight that torch's matmul
+        wins some buckets of and a native path others is kept twice (packed, and as it is): where those second
+        copies would take more than DENSE_COPY_SHARE of the memory available now (a 7B bfloat16 model's would not
+        fit beside it in 24 GiB), torch's buckets go to the nearest bucket's native winner instead, and a warning
+        says so."""
+        if self.tuner is None:
+            return {}
+        winners = {(id(module), name): self.tuner.winners(*getattr(module, name).shape)
+                   for module, name in linear_weights
+                   if not isinstance(getattr(module, name), quant.QuantizedTensor) and self._method(name) is None}
+        weights = {(id(module), name): getattr(module, name) for module, name in linear_weights}
+        copies = sum(weights[key].numel() * weights[key].element_size() for key, chosen in winners.items()
+                     if "torch" in chosen and set(chosen) != {"torch"})
+        available = machine.available_memory()
+        if not copies or available is None or copies <= DENSE_COPY_SHARE * available:
+            return winners
+        warnings.warn(f"torch's matmul wins some batch sizes, but keeping its copy of the weights "
+                      f"({copies / 2**30:.1f} GiB) would take more than {DENSE_COPY_SHARE:.0%} of the memory available "
+                      f"({available / 2**30:.1f} GiB): those batch sizes run the nearest native winner", stacklevel=3)
+        return {key: native_only(chosen) for key, chosen in winners.items()}
 
     def _method(self, name: str) -> str | None:
         """How the engine quantises the float weight `name` at load: None (it stays float) or a method."""
