@@ -170,6 +170,13 @@ class ModelConfig:
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
 
+    @property
+    def decode_weights(self) -> int:
+        """The weights a decode step reads: every layer's projections and the LM head (not the embedding)."""
+        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        layer = self.hidden_size * (2 * q + 2 * kv) + 3 * self.hidden_size * self.intermediate_size
+        return self.num_hidden_layers * layer + self.vocab_size * self.hidden_size
+
     @classmethod
     def from_dir(cls, model_dir: str | Path, overrides: dict | None = None) -> ModelConfig:
         """config.json, with `overrides` (vLLM's hf_overrides) laid over its top-level keys."""
@@ -594,6 +601,15 @@ class EngineConfig:
         if not same:
             raise ValueError(f"speculative_config.model ({spec.model}) has another vocabulary than the target "
                              f"({self.model}): a draft proposes token ids of the target's tokenizer")
+
+    @property
+    def draft_cost_prior(self) -> float:
+        """What a draft's proposing costs, in a decode step, before any is measured (engine/speculation.py
+        DraftCost): the draft model's decode weights over the target's (a decode step reads its weights); 0 for the
+        n-gram lookup."""
+        if self.draft_config is None:
+            return 0.0
+        return self.draft_config.model_config.decode_weights / self.model_config.decode_weights
 
     def _check_deterministic(self) -> None:
         """Deterministic mode runs on the native CPU kernels (the ones whose reduction order mini-infer controls);

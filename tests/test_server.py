@@ -573,7 +573,8 @@ def test_bench_serve_without_a_server_says_so(capsys):
 
 
 def test_metrics_count_speculative_decoding(tiny_model_dir):
-    speculative = {"model": str(tiny_model_dir), "num_speculative_tokens": 3}  # the model as its own draft
+    # the model as its own draft (k every step: adaptive k would only probe with a draft as dear as the target)
+    speculative = {"model": str(tiny_model_dir), "num_speculative_tokens": 3, "adaptive": False}
     engine = AsyncLLMEngine(LLMEngine.from_args(str(tiny_model_dir), **ENGINE_ARGS, speculative_config=speculative),
                             EngineMetrics(MODEL_NAME))
     with ServerThread(build_app(engine, MODEL_NAME)) as server:

@@ -19,8 +19,9 @@ from conftest import PARITY_CONFIGS, build_hf_model, hf_greedy, save_hf_model
 from mini_infer import LLM, SamplingParams, StructuredOutputsParams
 from mini_infer.config import EngineConfig
 from mini_infer.engine.kv_cache import KVCacheManager
-from mini_infer.engine.speculation import DraftPolicy, SpecDecodeStats
+from mini_infer.engine.speculation import EMA_WEIGHT, DraftCost, DraftPolicy, SpecDecodeStats
 from mini_infer.runner.spec_decode import NgramProposer, verify
+from mini_infer.speculative_config import VERIFY_ROW_COST
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
@@ -45,8 +46,10 @@ def models(tmp_path_factory):
     prompts = [phrase * 4, shared + [5, 6], shared + [rng.randrange(1000) for _ in range(9)],
                [rng.randrange(1000) for _ in range(3)], phrase * 2 + [rng.randrange(1000) for _ in range(30)]]
     expected = [hf_greedy(model, p, 20) for p in prompts]
-    drafts = {"ngram": NGRAM, "self": {"model": str(target), "num_speculative_tokens": 4},
-              "noisy": {"model": str(root / "noisy"), "num_speculative_tokens": 3},
+    # (The drafts of the target's own size cost a step a draft: adaptive k would only probe. These tests are about
+    # exactness, so they propose k every step.)
+    drafts = {"ngram": NGRAM, "self": {"model": str(target), "num_speculative_tokens": 4, "adaptive": False},
+              "noisy": {"model": str(root / "noisy"), "num_speculative_tokens": 3, "adaptive": False},
               "other": {"model": str(root / "other"), "num_speculative_tokens": 2, "adaptive": False}}
     return str(target), prompts, expected, drafts
 
@@ -71,6 +74,8 @@ def test_greedy_tokens_equal_speculation_off_under_preemption_chunks_prefix_cach
     stats = spec.engine.stats()
     assert stats.num_preemptions > 0 and stats.prefix_hits > 0
     assert stats.spec_decode.num_draft_tokens > 0
+    # the proposer's time has priced the drafts: the estimate left its prior (the draft's weights over the target's)
+    assert spec.engine.scheduler.draft_cost.proposer != spec.engine.config.draft_cost_prior
     if proposer == "self":
         assert stats.spec_decode.num_accepted_tokens == stats.spec_decode.num_draft_tokens
     if proposer == "noisy":
@@ -249,7 +254,7 @@ def test_adaptive_policy_stops_proposing_then_probes_with_growing_waits():
     policy = DraftPolicy(max_k=4)
     ks = []
     for _ in range(40):
-        k = policy.next_k()
+        k = policy.next_k(0.1)
         ks.append(k)
         policy.observe(k, 0)
     # An even chance at first (0.5^3 >= 0.1 > 0.5^4), halved by each failed step, then 4 steps without drafts.
@@ -257,11 +262,25 @@ def test_adaptive_policy_stops_proposing_then_probes_with_growing_waits():
     zeros = [len(run) for run in "".join("x" if k == 0 else "|" for k in ks).split("|") if run]
     assert zeros[:-1] == [4, 8, 16]  # waits between failed probes of one draft double (the last run is cut short)
     policy.observe(1, 1)  # an accepted probe: drafts come back
-    assert policy.next_k() >= 1
+    assert policy.next_k(0.1) >= 1
     accepting = DraftPolicy(max_k=4)
-    accepting.observe(accepting.next_k(), 3)  # all 3 first drafts accepted: the estimate rises to 0.75
-    assert accepting.next_k() == 4
-    assert DraftPolicy(max_k=3, adaptive=False).next_k() == 3
+    accepting.observe(accepting.next_k(0.1), 3)  # all 3 first drafts accepted: the estimate rises to 0.75
+    assert accepting.next_k(0.1) == 4
+    assert DraftPolicy(max_k=3, adaptive=False).next_k(2.0) == 3
+
+
+def test_dearer_drafts_are_fewer_and_the_cost_is_learnt_from_the_proposers_time():
+    # At an even chance a draft costing 0.37 of a step (a 0.5B draft for a 1.5B target) is worth one draft, one
+    # costing 0.12 (for a 7B target) three (0.5^3 >= 0.12 > 0.5^4).
+    assert DraftPolicy(max_k=4).next_k(0.37) == 1
+    assert DraftPolicy(max_k=4).next_k(0.12) == 3
+    cost = DraftCost(0.3)
+    assert cost.value == pytest.approx(0.3 + VERIFY_ROW_COST)
+    cost.observe(step_seconds=1.0, proposer_seconds=0.5, drafts=0, requests=2)  # nothing proposed: no sample
+    assert cost.proposer == 0.3
+    # 0.4 s proposing 8 drafts for 4 requests sharing the other 0.6 s: 0.05 s a draft over 0.15 s a request = 1/3.
+    cost.observe(step_seconds=1.0, proposer_seconds=0.4, drafts=8, requests=4)
+    assert cost.proposer == pytest.approx(0.3 + EMA_WEIGHT * (1 / 3 - 0.3))
 
 
 def test_spec_stats_add_across_replicas():

@@ -86,10 +86,12 @@ class OracleProposer:
         self.right_by_itself = 0  # of those, the ones the wrapped proposer had right
         self.diverged: set[str] = set()
 
-    def start(self, alpha: float | None, continuations: dict[str, list[int]]) -> None:
-        """A run's setting: the same seeded draws for every run, so that runs of one alpha steer alike."""
+    def start(self, alpha: float | None, continuations: dict[str, list[int]], rep: int = 0) -> None:
+        """A run's setting: the draws seeded by the rep, so that every setting's rep r steers alike and the reps
+        average over as many draws (with one seed for all, a setting's acceptance was one draw's: 0.54 against
+        alpha's mean 0.44 at alpha 0.7, k 4)."""
         self.alpha, self.continuations = alpha, continuations
-        self.generator.manual_seed(self.seed)
+        self.generator.manual_seed(self.seed + rep)
         self.steered = self.right_by_itself = 0
         self.diverged = set()
 
@@ -281,7 +283,7 @@ def run_bracketed(options: BenchOptions, target: str, engine_args: dict, setting
                     alphas = setting.alphas if rep % 2 == 0 else tuple(reversed(setting.alphas))
                     for alpha in alphas:
                         tag = f"{setting.name}-{size}-{alpha}-{rep}"
-                        oracle.start(alpha, _continuations(tag, prompts, result.continuations[size]))
+                        oracle.start(alpha, _continuations(tag, prompts, result.continuations[size]), rep)
                         run = timed_run(system.engine, oracle, prompts, params, tag)
                         runs.setdefault((size, alpha), []).append(run)
                         accepted = run.spec.acceptance_rate

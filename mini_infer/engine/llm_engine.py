@@ -56,7 +56,8 @@ class LLMEngine(EngineClient):
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    vocab_size=config.model_config.vocab_size, speculative=config.speculative_config,
-                                   max_model_len=config.max_model_len, **_step_target(config))
+                                   max_model_len=config.max_model_len, draft_cost_prior=config.draft_cost_prior,
+                                   **_step_target(config))
         self.executor = create_executor(config, num_blocks)
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, RequestGroup] = {}  # requests of n > 1, by their id (their children are in requests)

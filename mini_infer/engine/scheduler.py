@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from mini_infer.config import DEFAULT_CHUNKED_BUDGET, EngineConfig
 from mini_infer.engine.kv_cache import KVCacheManager
 from mini_infer.engine.request import Request, RequestStatus
-from mini_infer.engine.speculation import DraftPolicy, SpecDecodeStats
+from mini_infer.engine.speculation import DraftCost, DraftPolicy, SpecDecodeStats
 from mini_infer.engine.step_cost import StepCost, StepShape
 from mini_infer.engine.stop import check_stop
 from mini_infer.engine.structured_output import allocate_bitmask
@@ -77,7 +77,8 @@ class Scheduler:
                  enable_chunked_prefill: bool = _engine_default("enable_chunked_prefill"),
                  vocab_size: int | None = None, step_cost: StepCost | None = None,
                  target_step_s: float | None = None, clock: Callable[[], float] = time.perf_counter,
-                 speculative: SpeculativeConfig | None = None, max_model_len: int | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, max_model_len: int | None = None,
+                 draft_cost_prior: float = 0.0) -> None:
         if (step_cost is None) != (target_step_s is None):
             raise ValueError("a step-time target needs a step cost model, and a model a target")
         if step_cost is not None and not enable_chunked_prefill:
@@ -104,6 +105,11 @@ class Scheduler:
         self.speculative = speculative
         self.max_model_len = max_model_len
         self.spec_stats = SpecDecodeStats()
+        # A draft's cost (its prior: EngineConfig.draft_cost_prior), learnt from the steps that proposed; the last
+        # such step's (start, proposer seconds, drafts, sampling requests) until the next schedule() times it.
+        self.draft_cost = DraftCost(draft_cost_prior)
+        self._proposed: tuple[float, float, int, int] | None = None
+        self._scheduled_at = 0.0
         self._left: list[str] = []  # finished since the last plan
         self._preempted: list[str] = []  # preempted while this plan is made
 
@@ -127,6 +133,11 @@ class Scheduler:
         if self._timed is not None:  # the last step ran from its schedule() to this one
             self.step_cost.observe(self._timed, now - self._timed_at)
             self._timed = None
+        if self._proposed is not None:
+            started, *work = self._proposed
+            self.draft_cost.observe(now - started, *work)
+            self._proposed = None
+        self._scheduled_at = now
         plan = StepPlan()
         shape = StepShape()
         budget = self.max_num_batched_tokens
@@ -216,6 +227,9 @@ class Scheduler:
             elif self.kv_cache.num_blocks_owned(request_id) > self.kv_cache.blocks_for(request.num_tokens):
                 sent = self._sent[request_id]
                 sent.blocks, sent.trimmed = min(sent.blocks, self.kv_cache.trim(request_id, request.num_tokens)), True
+        if generated and sampled.draft_token_ids and self.has_unfinished():
+            self._proposed = (self._scheduled_at, sampled.draft_seconds,
+                              sum(len(d) for d in sampled.draft_token_ids), len(sampled.draft_token_ids))
         return update
 
     def finish(self, request: Request, status: RequestStatus) -> None:
@@ -231,7 +245,7 @@ class Scheduler:
         self._sent.pop(request.request_id, None)
         self._left.append(request.request_id)
         if not self.has_unfinished():
-            self._timed = None  # the engine may idle before the next step: no step time to learn from
+            self._timed = self._proposed = None  # the engine may idle before the next step: no step time to learn
 
     # ---- the step-time target ----
 
@@ -290,7 +304,7 @@ class Scheduler:
         if request.draft_policy is None or not samples:
             return 0
         room = request.max_tokens - request.num_output_tokens - 2
-        return min(request.draft_policy.next_k(), room) if room > 0 else 0
+        return min(request.draft_policy.next_k(self.draft_cost.value), room) if room > 0 else 0
 
     def _drafts_to_propose(self, request: Request, num_new: int, samples: bool, reserve: int = 0) -> int:
         """_proposal's number, where a draft model's lookahead slots fit in the free blocks beyond `reserve`; none

@@ -1,27 +1,50 @@
 """Speculative decoding's bookkeeping on the scheduler's side: how many drafts a request verifies next (DraftPolicy),
-and the counts vLLM reports of it (SpecDecodeStats). docs/decisions/024-speculative-decoding.md.
+what a draft costs (DraftCost), and the counts vLLM reports of it (SpecDecodeStats).
+docs/decisions/024-speculative-decoding.md.
 
 The adaptive rule: a request's drafts are accepted one after another, each (as far as we know) with the same chance
 a, estimated from its own verify steps (each draft examined is a trial: those accepted, and the first rejected one).
-The i-th draft then brings a^i tokens on average and costs about DRAFT_COST of a step (its row in the verify step,
-and a draft model's step to make it), so a request proposes the drafts with a^i >= DRAFT_COST, up to
-num_speculative_tokens. A new request's estimate starts at PRIOR_ACCEPTANCE, an even chance (3 drafts of 4 at
-first, where starting at certainty proposed all 4, then 3, and at alpha 0 those first steps' drafts were most of
-what adaptive k cost: 0.93x on a 7B target). One whose estimate falls so low that it proposes none probes with a
-single draft after 4 steps without drafts, then after 8, 16, ... 64 while the probes keep failing; an accepted
-draft resets that wait.
+The i-th draft then brings a^i tokens on average and costs c of a request's step: its row in the verify step
+(VERIFY_ROW_COST) and its share of the proposer's time, measured engine-wide (DraftCost; before the first
+measurement the draft model's weights over the target's, a decode step being a read of the weights). So a request
+proposes the drafts with a^i >= c, up to num_speculative_tokens: a draft model a third of its target's size (0.5B
+for 1.5B) proposes fewer than one a fifteenth of it (0.5B for 7B). A new request's estimate starts at
+PRIOR_ACCEPTANCE, an even chance (it started at certainty before, and at alpha 0 those first steps' drafts were most
+of what adaptive k cost). One whose estimate falls so low that it proposes none probes with a single draft after 4
+steps without drafts, then after 8, 16, ... 64 while the probes keep failing; an accepted draft resets that wait.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mini_infer.speculative_config import DRAFT_COST
+from mini_infer.speculative_config import VERIFY_ROW_COST
 
-EMA_WEIGHT = 0.5  # of a verify step's rate in the running estimate (two or three steps dominate it)
+EMA_WEIGHT = 0.5  # of a new sample in the running estimates (two or three steps dominate them)
 PRIOR_ACCEPTANCE = 0.5
 FIRST_PROBE_WAIT = 4
 LONGEST_PROBE_WAIT = 64
+
+
+@dataclass(slots=True)
+class DraftCost:
+    """A draft's cost in a request's share of a step: its verify row, and the proposer's time per draft over a
+    request's share of the rest of the step (`proposer`, a running estimate from the steps that proposed)."""
+
+    proposer: float  # start: the prior (the draft model's decode weights over the target's; 0 for n-gram lookup)
+
+    @property
+    def value(self) -> float:
+        return VERIFY_ROW_COST + self.proposer
+
+    def observe(self, step_seconds: float, proposer_seconds: float, drafts: int, requests: int) -> None:
+        """A step of `requests` sampling requests that took `step_seconds`, `proposer_seconds` of them proposing
+        `drafts` drafts for the next."""
+        rest = step_seconds - proposer_seconds
+        if drafts <= 0 or requests <= 0 or rest <= 0:
+            return
+        sample = (proposer_seconds / drafts) / (rest / requests)
+        self.proposer += EMA_WEIGHT * (sample - self.proposer)
 
 
 @dataclass(slots=True)
@@ -34,12 +57,13 @@ class DraftPolicy:
     wait: int = FIRST_PROBE_WAIT  # steps without drafts before the next probe
     backoff: int = 2 * FIRST_PROBE_WAIT  # the wait after that probe, should it fail
 
-    def next_k(self) -> int:
-        """The drafts to propose for the request's next step (called once for each step it samples in)."""
+    def next_k(self, cost: float) -> int:
+        """The drafts to propose for the request's next step (called once for each step it samples in), a draft
+        costing `cost` of a step (DraftCost.value)."""
         if not self.adaptive:
             return self.max_k
         k = 0
-        while k < self.max_k and self.acceptance ** (k + 1) >= DRAFT_COST:
+        while k < self.max_k and self.acceptance ** (k + 1) >= cost:
             k += 1
         if k:
             return k

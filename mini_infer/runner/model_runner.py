@@ -10,6 +10,7 @@ prompt the step finishes into their embeddings or scores.
 from __future__ import annotations
 
 import resource
+import time
 from pathlib import Path
 
 import torch
@@ -123,8 +124,10 @@ class ModelRunner:
                                                           self.sampler.largest)
         if self.speculator is not None and plan.propose and num_sampled:
             with profiled("propose"):
+                start = time.perf_counter()
                 sampled.draft_token_ids = self.speculator.propose(plan, inputs, self.input_batch,
                                                                   sampled.num_emitted)
+                sampled.draft_seconds = time.perf_counter() - start
         return sampled
 
     @torch.inference_mode()

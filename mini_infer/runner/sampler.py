@@ -58,6 +58,7 @@ class SamplerOutput:
     # (its accepted drafts and one more; None: one each), and the drafts proposed for its next step.
     num_emitted: list[int] | None = None
     draft_token_ids: list[list[int]] | None = None
+    draft_seconds: float = 0.0  # the proposer's time this step (the scheduler prices drafts by it)
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, owners: list[tuple[str, int, int, int]],

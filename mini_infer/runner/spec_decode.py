@@ -20,6 +20,8 @@ when they are asked for again).
 
 from __future__ import annotations
 
+import itertools
+
 from pathlib import Path
 from typing import Protocol
 
@@ -42,7 +44,7 @@ def verify(tokens: torch.Tensor, num_drafts: list[int], drafts: list[list[int]])
     1 + that many."""
     counts = torch.tensor(num_drafts)
     width = max(num_drafts)
-    starts = (counts + 1).cumsum(0) - (counts + 1)
+    starts = torch.tensor(_starts(num_drafts))
     columns = torch.arange(width)
     sampled = tokens.cpu()[(starts[:, None] + columns).clamp(max=tokens.shape[0] - 1)]
     proposed = torch.tensor([d + [-1] * (width - len(d)) for d in drafts], dtype=torch.int64).view(-1, width)
@@ -196,8 +198,4 @@ class Speculator:
 
 def _starts(num_drafts: list[int]) -> list[int]:
     """Each request's first row among the sampled rows (1 + k rows each)."""
-    starts, at = [], 0
-    for k in num_drafts:
-        starts.append(at)
-        at += k + 1
-    return starts
+    return list(itertools.accumulate((k + 1 for k in num_drafts[:-1]), initial=0))[: len(num_drafts)]
