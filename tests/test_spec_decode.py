@@ -19,7 +19,7 @@ from conftest import PARITY_CONFIGS, build_hf_model, hf_greedy, save_hf_model
 from mini_infer import LLM, SamplingParams, StructuredOutputsParams
 from mini_infer.config import EngineConfig
 from mini_infer.engine.kv_cache import KVCacheManager
-from mini_infer.engine.speculation import EMA_WEIGHT, DraftCost, DraftPolicy, SpecDecodeStats
+from mini_infer.engine.speculation import EMA_WEIGHT, PROBE_COST, DraftCost, DraftPolicy, SpecDecodeStats
 from mini_infer.runner.spec_decode import NgramProposer, verify
 from mini_infer.speculative_config import VERIFY_ROW_COST
 
@@ -274,6 +274,10 @@ def test_dearer_drafts_are_fewer_and_the_cost_is_learnt_from_the_proposers_time(
     # costing 0.12 (for a 7B target) three (0.5^3 >= 0.12 > 0.5^4).
     assert DraftPolicy(max_k=4).next_k(0.37) == 1
     assert DraftPolicy(max_k=4).next_k(0.12) == 3
+    # and probes wait longer: at 3 x PROBE_COST, 12 steps before the first, 24 before the next
+    dear = DraftPolicy(max_k=4, acceptance=0.0)
+    ks = [dear.next_k(3 * PROBE_COST) for _ in range(40)]
+    assert [i for i, k in enumerate(ks) if k] == [12, 37]
     cost = DraftCost(0.3)
     assert cost.value == pytest.approx(0.3 + VERIFY_ROW_COST)
     cost.observe(step_seconds=1.0, proposer_seconds=0.5, drafts=0, requests=2)  # nothing proposed: no sample

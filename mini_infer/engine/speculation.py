@@ -12,6 +12,8 @@ for 1.5B) proposes fewer than one a fifteenth of it (0.5B for 7B). A new request
 PRIOR_ACCEPTANCE, an even chance (it started at certainty before, and at alpha 0 those first steps' drafts were most
 of what adaptive k cost). One whose estimate falls so low that it proposes none probes with a single draft after 4
 steps without drafts, then after 8, 16, ... 64 while the probes keep failing; an accepted draft resets that wait.
+Those waits are for a draft costing PROBE_COST of a step; a dearer one waits as many times longer, so that probing
+costs about the same share of a request's steps whatever the draft (at most PROBE_COST / FIRST_PROBE_WAIT, 3 %).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ EMA_WEIGHT = 0.5  # of a new sample in the running estimates (two or three steps
 PRIOR_ACCEPTANCE = 0.5
 FIRST_PROBE_WAIT = 4
 LONGEST_PROBE_WAIT = 64
+PROBE_COST = 0.125  # the draft cost the waits above are for (a dearer draft waits cost / PROBE_COST times as long)
 
 
 @dataclass(slots=True)
@@ -54,8 +57,8 @@ class DraftPolicy:
     max_k: int
     adaptive: bool = True
     acceptance: float = PRIOR_ACCEPTANCE  # the estimate of a draft's chance of acceptance
-    wait: int = FIRST_PROBE_WAIT  # steps without drafts before the next probe
-    backoff: int = 2 * FIRST_PROBE_WAIT  # the wait after that probe, should it fail
+    idle: int = 0  # steps without drafts since drafts stopped or the last probe
+    wait: int = FIRST_PROBE_WAIT  # the steps without drafts before the next probe (at a draft cost of PROBE_COST)
 
     def next_k(self, cost: float) -> int:
         """The drafts to propose for the request's next step (called once for each step it samples in), a draft
@@ -67,10 +70,10 @@ class DraftPolicy:
             k += 1
         if k:
             return k
-        if self.wait:
-            self.wait -= 1
+        if self.idle < self.wait * max(1.0, cost / PROBE_COST):
+            self.idle += 1
             return 0
-        self.wait, self.backoff = self.backoff, min(2 * self.backoff, LONGEST_PROBE_WAIT)
+        self.idle, self.wait = 0, min(2 * self.wait, LONGEST_PROBE_WAIT)
         return 1
 
     def observe(self, proposed: int, accepted: int) -> None:
@@ -80,7 +83,7 @@ class DraftPolicy:
         trials = accepted + (accepted < proposed)
         self.acceptance += EMA_WEIGHT * (accepted / trials - self.acceptance)
         if accepted:
-            self.wait, self.backoff = FIRST_PROBE_WAIT, 2 * FIRST_PROBE_WAIT
+            self.idle, self.wait = 0, FIRST_PROBE_WAIT
 
 
 @dataclass(slots=True)
