@@ -280,11 +280,15 @@ def test_dearer_drafts_are_fewer_and_the_cost_is_learnt_from_the_proposers_time(
     assert [i for i, k in enumerate(ks) if k] == [12, 37]
     cost = DraftCost(0.3)
     assert cost.value == pytest.approx(0.3 + VERIFY_ROW_COST)
-    cost.observe(step_seconds=1.0, proposer_seconds=0.5, drafts=0, requests=2)  # nothing proposed: no sample
+    cost.observe(step_seconds=1.0, proposer_seconds=0.5, drafts=0, proposing=0)  # nothing proposed: no sample
     assert cost.proposer == 0.3
-    # 0.4 s proposing 8 drafts for 4 requests sharing the other 0.6 s: 0.05 s a draft over 0.15 s a request = 1/3.
-    cost.observe(step_seconds=1.0, proposer_seconds=0.4, drafts=8, requests=4)
+    # 0.4 s proposing 2 drafts each for 4 requests (2 draft steps) beside 0.6 s of the rest: 0.2 / 0.6 = 1/3.
+    cost.observe(step_seconds=1.0, proposer_seconds=0.4, drafts=8, proposing=4)
     assert cost.proposer == pytest.approx(0.3 + EMA_WEIGHT * (1 / 3 - 0.3))
+    # one request proposing 2 drafts alone in as long a step: the same draft steps, the same price
+    alone = DraftCost(1 / 3)
+    alone.observe(step_seconds=1.0, proposer_seconds=0.4, drafts=2, proposing=1)
+    assert alone.proposer == pytest.approx(1 / 3)
 
 
 def test_spec_stats_add_across_replicas():

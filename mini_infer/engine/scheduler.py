@@ -106,7 +106,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.spec_stats = SpecDecodeStats()
         # A draft's cost (its prior: EngineConfig.draft_cost_prior), learnt from the steps that proposed; the last
-        # such step's (start, proposer seconds, drafts, sampling requests) until the next schedule() times it.
+        # such step's (start, proposer seconds, drafts, proposing requests) until the next schedule() times it.
         self.draft_cost = DraftCost(draft_cost_prior)
         self._proposed: tuple[float, float, int, int] | None = None
         self._scheduled_at = 0.0
@@ -228,8 +228,8 @@ class Scheduler:
                 sent = self._sent[request_id]
                 sent.blocks, sent.trimmed = min(sent.blocks, self.kv_cache.trim(request_id, request.num_tokens)), True
         if generated and sampled.draft_token_ids and self.has_unfinished():
-            self._proposed = (self._scheduled_at, sampled.draft_seconds,
-                              sum(len(d) for d in sampled.draft_token_ids), len(sampled.draft_token_ids))
+            drafts = [len(d) for d in sampled.draft_token_ids if d]
+            self._proposed = (self._scheduled_at, sampled.draft_seconds, sum(drafts), len(drafts))
         return update
 
     def finish(self, request: Request, status: RequestStatus) -> None:

@@ -31,8 +31,13 @@ PROBE_COST = 0.125  # the draft cost the waits above are for (a dearer draft wai
 
 @dataclass(slots=True)
 class DraftCost:
-    """A draft's cost in a request's share of a step: its verify row, and the proposer's time per draft over a
-    request's share of the rest of the step (`proposer`, a running estimate from the steps that proposed)."""
+    """A draft's cost in a request's share of a step: its verify row, and the proposer's time for one draft of
+    every proposing request (a draft model's step over them) over the rest of the step (`proposer`, a running
+    estimate from the steps that proposed). Per proposing request, not per request of the step: a batch's drafts
+    share the draft model's steps as its tokens share the target's, so where all propose, a request's share of the
+    proposer over its share of the step is that ratio; a request probing alone in a batch of 4 pays a whole draft
+    step for itself, and counted against a quarter of the step it read 4x dearer, which shut a batch out of drafting
+    for good after a run of failed drafts."""
 
     proposer: float  # start: the prior (the draft model's decode weights over the target's; 0 for n-gram lookup)
 
@@ -40,13 +45,13 @@ class DraftCost:
     def value(self) -> float:
         return VERIFY_ROW_COST + self.proposer
 
-    def observe(self, step_seconds: float, proposer_seconds: float, drafts: int, requests: int) -> None:
-        """A step of `requests` sampling requests that took `step_seconds`, `proposer_seconds` of them proposing
-        `drafts` drafts for the next."""
+    def observe(self, step_seconds: float, proposer_seconds: float, drafts: int, proposing: int) -> None:
+        """A step that took `step_seconds`, `proposer_seconds` of them proposing `drafts` drafts for the next, for
+        `proposing` requests (drafts / proposing draft steps, each over all of them)."""
         rest = step_seconds - proposer_seconds
-        if drafts <= 0 or requests <= 0 or rest <= 0:
+        if drafts <= 0 or proposing <= 0 or rest <= 0:
             return
-        sample = (proposer_seconds / drafts) / (rest / requests)
+        sample = proposer_seconds / (drafts / proposing) / rest
         self.proposer += EMA_WEIGHT * (sample - self.proposer)
 
 
