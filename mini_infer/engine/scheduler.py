@@ -190,6 +190,8 @@ class Scheduler:
         values = iter(sampled.values) if isinstance(sampled, PoolerOutput) else iter(())
         emitted = iter(sampled.num_emitted or ()) if generated else iter(())
         proposals = iter(sampled.draft_token_ids or ()) if generated else iter(())
+        proposing = drafted = 0
+        steady = True  # every request that proposed verified drafts in this step (its draft model was caught up)
         requests = {request.request_id: request for request in self.running}
         for request_id, num_new in zip(plan.request_ids, plan.num_new_tokens):
             request = requests[request_id]
@@ -221,15 +223,21 @@ class Scheduler:
                 self.spec_stats.record(num_drafts, count - 1)
                 request.draft_policy.observe(num_drafts, count - 1)
             request.spec_token_ids = next(proposals, [])
+            if request.spec_token_ids:
+                proposing += 1
+                drafted += len(request.spec_token_ids)
+                steady = steady and num_drafts > 0
             if request.finished:
                 self.finish(request, request.status)
                 update.finished.append(request)
             elif self.kv_cache.num_blocks_owned(request_id) > self.kv_cache.blocks_for(request.num_tokens):
                 sent = self._sent[request_id]
                 sent.blocks, sent.trimmed = min(sent.blocks, self.kv_cache.trim(request_id, request.num_tokens)), True
-        if generated and sampled.draft_token_ids and self.has_unfinished():
-            drafts = [len(d) for d in sampled.draft_token_ids if d]
-            self._proposed = (self._scheduled_at, sampled.draft_seconds, sum(drafts), len(drafts))
+        # Only steady drafting prices a draft: a request that proposes after steps without drafts first catches its
+        # draft model up on every token since (a first probe after 12 idle steps: 13 tokens), which is the price of
+        # resuming, not of a draft; counted in, each longer wait made the next probe dearer still.
+        if proposing and steady and self.has_unfinished():
+            self._proposed = (self._scheduled_at, sampled.draft_seconds, drafted, proposing)
         return update
 
     def finish(self, request: Request, status: RequestStatus) -> None:
