@@ -191,7 +191,6 @@ class Scheduler:
         emitted = iter(sampled.num_emitted or ()) if generated else iter(())
         proposals = iter(sampled.draft_token_ids or ()) if generated else iter(())
         proposing = drafted = 0
-        steady = True  # every request that proposed verified drafts in this step (its draft model was caught up)
         requests = {request.request_id: request for request in self.running}
         for request_id, num_new in zip(plan.request_ids, plan.num_new_tokens):
             request = requests[request_id]
@@ -226,17 +225,15 @@ class Scheduler:
             if request.spec_token_ids:
                 proposing += 1
                 drafted += len(request.spec_token_ids)
-                steady = steady and num_drafts > 0
             if request.finished:
                 self.finish(request, request.status)
                 update.finished.append(request)
             elif self.kv_cache.num_blocks_owned(request_id) > self.kv_cache.blocks_for(request.num_tokens):
                 sent = self._sent[request_id]
                 sent.blocks, sent.trimmed = min(sent.blocks, self.kv_cache.trim(request_id, request.num_tokens)), True
-        # Only steady drafting prices a draft: a request that proposes after steps without drafts first catches its
-        # draft model up on every token since (a first probe after 12 idle steps: 13 tokens), which is the price of
-        # resuming, not of a draft; counted in, each longer wait made the next probe dearer still.
-        if proposing and steady and self.has_unfinished():
+        # (A request resuming after steps without drafts first catches its draft model up on every token since:
+        # that is counted in, the price of resuming; docs/decisions/024.)
+        if proposing and self.has_unfinished():
             self._proposed = (self._scheduled_at, sampled.draft_seconds, drafted, proposing)
         return update
 

@@ -33,11 +33,11 @@ PROBE_COST = 0.125  # the draft cost the waits above are for (a dearer draft wai
 class DraftCost:
     """A draft's cost in a request's share of a step: its verify row, and the proposer's time for one draft of
     every proposing request (a draft model's step over them) over the rest of the step (`proposer`, a running
-    estimate from the steps of steady drafting: Scheduler.update). Per proposing request, not per request of the step: a batch's drafts
-    share the draft model's steps as its tokens share the target's, so where all propose, a request's share of the
-    proposer over its share of the step is that ratio; a request probing alone in a batch of 4 pays a whole draft
-    step for itself, and counted against a quarter of the step it read 4x dearer, which shut a batch out of drafting
-    for good after a run of failed drafts."""
+    estimate from the steps that proposed: Scheduler.update). Per proposing request, not per request of the step:
+    a batch's drafts share the draft model's steps as its tokens share the target's, so where all propose, a
+    request's share of the proposer over its share of the step is that ratio; a request probing alone in a batch of
+    4 pays a whole draft step for itself, and counted against a quarter of the step it read 4x dearer, which shut a
+    batch out of drafting for good after a run of failed drafts."""
 
     proposer: float  # start: the prior (the draft model's decode weights over the target's; 0 for n-gram lookup)
 
