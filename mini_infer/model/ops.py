@@ -213,10 +213,9 @@ class Ops:
         says so."""
         if self.tuner is None:
             return {}
-        winners = {(id(module), name): self.tuner.winners(*getattr(module, name).shape)
-                   for module, name in linear_weights
+        weights = {(id(module), name): getattr(module, name) for module, name in linear_weights
                    if not isinstance(getattr(module, name), quant.QuantizedTensor) and self._method(name) is None}
-        weights = {(id(module), name): getattr(module, name) for module, name in linear_weights}
+        winners = {key: self.tuner.winners(*weight.shape) for key, weight in weights.items()}
         copies = sum(weights[key].numel() * weights[key].element_size() for key, chosen in winners.items()
                      if "torch" in chosen and set(chosen) != {"torch"})
         available = machine.available_memory()
