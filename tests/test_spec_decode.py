@@ -19,7 +19,7 @@ from conftest import PARITY_CONFIGS, build_hf_model, hf_greedy, save_hf_model
 from mini_infer import LLM, SamplingParams, StructuredOutputsParams
 from mini_infer.config import EngineConfig
 from mini_infer.engine.kv_cache import KVCacheManager
-from mini_infer.engine.speculation import EMA_WEIGHT, PROBE_COST, DraftCost, DraftPolicy, SpecDecodeStats
+from mini_infer.engine.speculation import EMA_WEIGHT, PROBE_COST, ROW_WINDOW, DraftCost, DraftPolicy, SpecDecodeStats
 from mini_infer.runner.spec_decode import NgramProposer, verify
 from mini_infer.speculative_config import VERIFY_ROW_COST
 
@@ -76,6 +76,8 @@ def test_greedy_tokens_equal_speculation_off_under_preemption_chunks_prefix_cach
     assert stats.spec_decode.num_draft_tokens > 0
     # the proposer's time has priced the drafts: the estimate left its prior (the draft's weights over the target's)
     assert spec.engine.scheduler.draft_cost.proposer != spec.engine.config.draft_cost_prior
+    # and the decode steps have priced the verify rows: steps of several sizes fitted
+    assert len({rows for rows, _ in spec.engine.scheduler.draft_cost.steps}) > 1
     if proposer == "self":
         assert stats.spec_decode.num_accepted_tokens == stats.spec_decode.num_draft_tokens
     if proposer == "noisy":
@@ -279,16 +281,39 @@ def test_dearer_drafts_are_fewer_and_the_cost_is_learnt_from_the_proposers_time(
     ks = [dear.next_k(3 * PROBE_COST) for _ in range(40)]
     assert [i for i, k in enumerate(ks) if k] == [12, 37]
     cost = DraftCost(0.3)
-    assert cost.value == pytest.approx(0.3 + VERIFY_ROW_COST)
-    cost.observe(step_seconds=1.0, proposer_seconds=0.5, drafts=0, proposing=0)  # nothing proposed: no sample
+    assert cost.value(1) == pytest.approx(0.3 + VERIFY_ROW_COST)
+    cost.observe(step_seconds=1.0, proposer_seconds=0.5, drafts=0, proposing=0, rows=0)  # nothing proposed: no sample
     assert cost.proposer == 0.3
     # 0.4 s proposing 2 drafts each for 4 requests (2 draft steps) beside 0.6 s of the rest: 0.2 / 0.6 = 1/3.
-    cost.observe(step_seconds=1.0, proposer_seconds=0.4, drafts=8, proposing=4)
+    cost.observe(step_seconds=1.0, proposer_seconds=0.4, drafts=8, proposing=4, rows=0)
     assert cost.proposer == pytest.approx(0.3 + EMA_WEIGHT * (1 / 3 - 0.3))
     # one request proposing 2 drafts alone in as long a step: the same draft steps, the same price
     alone = DraftCost(1 / 3)
-    alone.observe(step_seconds=1.0, proposer_seconds=0.4, drafts=2, proposing=1)
+    alone.observe(step_seconds=1.0, proposer_seconds=0.4, drafts=2, proposing=1, rows=1)
     assert alone.proposer == pytest.approx(1 / 3)
+
+
+def test_a_verify_rows_price_is_fitted_from_the_steps_and_grows_with_the_batch():
+    cost = DraftCost(0.0)
+    # Steps of 20 ms fixed + 1 ms a row (less the proposer's time): fitted once they vary in rows.
+    for rows in (4, 4, 4):
+        cost.observe(step_seconds=0.024 + 0.005, proposer_seconds=0.005, drafts=4, proposing=4, rows=rows)
+    assert cost.row(4) == VERIFY_ROW_COST  # one size only: the slope is unknown
+    for rows in (8, 12, 16, 16):
+        cost.observe(step_seconds=0.020 + 0.001 * rows, proposer_seconds=0.0, drafts=0, proposing=0, rows=rows)
+    assert cost.row(1) == pytest.approx(1 / 21)
+    assert cost.row(16) == pytest.approx(16 / 36)
+    # a step with prompt tokens (rows 0) is not fitted, however long
+    cost.observe(step_seconds=5.0, proposer_seconds=0.0, drafts=0, proposing=0, rows=0)
+    assert cost.row(16) == pytest.approx(16 / 36)
+    # the last ROW_WINDOW steps only: the rows' compute grown (10 ms fixed + 2 ms a row)
+    for rows in [4, 8, 12, 16] * (ROW_WINDOW // 4):
+        cost.observe(step_seconds=0.010 + 0.002 * rows, proposer_seconds=0.0, drafts=0, proposing=0, rows=rows)
+    assert cost.row(16) == pytest.approx(32 / 42)
+    assert cost.value(16) == pytest.approx(32 / 42 + cost.proposer)
+    # so at one request a draft at a 0.5 chance is worth proposing, in a batch of 16 it is not
+    assert DraftPolicy(max_k=4).next_k(cost.value(1)) >= 1
+    assert DraftPolicy(max_k=4).next_k(cost.value(16)) == 0
 
 
 def test_spec_stats_add_across_replicas():

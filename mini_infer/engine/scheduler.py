@@ -105,10 +105,11 @@ class Scheduler:
         self.speculative = speculative
         self.max_model_len = max_model_len
         self.spec_stats = SpecDecodeStats()
-        # A draft's cost (its prior: EngineConfig.draft_cost_prior), learnt from the steps that proposed; the last
-        # such step's (start, proposer seconds, drafts, proposing requests) until the next schedule() times it.
+        # A draft's cost (its proposer's prior: EngineConfig.draft_cost_prior), learnt from the steps; the last
+        # step's (start, proposer seconds, drafts, proposing requests, decode rows) until the next schedule() times it.
         self.draft_cost = DraftCost(draft_cost_prior)
-        self._proposed: tuple[float, float, int, int] | None = None
+        self._draft_price = 0.0  # DraftCost.value for this step's batch
+        self._spec_step: tuple[float, float, int, int, int] | None = None
         self._scheduled_at = 0.0
         self._left: list[str] = []  # finished since the last plan
         self._preempted: list[str] = []  # preempted while this plan is made
@@ -133,10 +134,12 @@ class Scheduler:
         if self._timed is not None:  # the last step ran from its schedule() to this one
             self.step_cost.observe(self._timed, now - self._timed_at)
             self._timed = None
-        if self._proposed is not None:
-            started, *work = self._proposed
+        if self._spec_step is not None:
+            started, *work = self._spec_step
             self.draft_cost.observe(now - started, *work)
-            self._proposed = None
+            self._spec_step = None
+        if self.speculative is not None:
+            self._draft_price = self.draft_cost.value(len(self.running))
         self._scheduled_at = now
         plan = StepPlan()
         shape = StepShape()
@@ -191,10 +194,12 @@ class Scheduler:
         emitted = iter(sampled.num_emitted or ()) if generated else iter(())
         proposals = iter(sampled.draft_token_ids or ()) if generated else iter(())
         proposing = drafted = 0
+        decode_only = True  # every request of the step decoded or verified (the rows DraftCost prices)
         requests = {request.request_id: request for request in self.running}
         for request_id, num_new in zip(plan.request_ids, plan.num_new_tokens):
             request = requests[request_id]
             num_drafts = len(plan.spec_token_ids.get(request_id, ()))
+            decode_only &= num_new == num_drafts + 1 and request.num_output_tokens > 0
             if request.num_computed_tokens + num_new < request.num_tokens + num_drafts:
                 request.num_computed_tokens += num_new  # a prompt chunk with more to come: nothing sampled
                 self.kv_cache.cache_blocks(request_id, request.token_ids_slice, request.num_computed_tokens)
@@ -233,8 +238,9 @@ class Scheduler:
                 sent.blocks, sent.trimmed = min(sent.blocks, self.kv_cache.trim(request_id, request.num_tokens)), True
         # (A request resuming after steps without drafts first catches its draft model up on every token since:
         # that is counted in, the price of resuming; docs/decisions/024.)
-        if proposing and self.has_unfinished():
-            self._proposed = (self._scheduled_at, sampled.draft_seconds, drafted, proposing)
+        if self.speculative is not None and generated and self.has_unfinished():
+            self._spec_step = (self._scheduled_at, sampled.draft_seconds, drafted, proposing,
+                              plan.num_tokens if decode_only else 0)
         return update
 
     def finish(self, request: Request, status: RequestStatus) -> None:
@@ -250,7 +256,7 @@ class Scheduler:
         self._sent.pop(request.request_id, None)
         self._left.append(request.request_id)
         if not self.has_unfinished():
-            self._timed = self._proposed = None  # the engine may idle before the next step: no step time to learn
+            self._timed = self._spec_step = None  # the engine may idle before the next step: no step time to learn
 
     # ---- the step-time target ----
 
@@ -309,7 +315,7 @@ class Scheduler:
         if request.draft_policy is None or not samples:
             return 0
         room = request.max_tokens - request.num_output_tokens - 2
-        return min(request.draft_policy.next_k(self.draft_cost.value), room) if room > 0 else 0
+        return min(request.draft_policy.next_k(self._draft_price), room) if room > 0 else 0
 
     def _drafts_to_propose(self, request: Request, num_new: int, samples: bool, reserve: int = 0) -> int:
         """_proposal's number, where a draft model's lookahead slots fit in the free blocks beyond `reserve`; none

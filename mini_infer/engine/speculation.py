@@ -4,20 +4,26 @@ docs/decisions/024-speculative-decoding.md.
 
 The adaptive rule: a request's drafts are accepted one after another, each (as far as we know) with the same chance
 a, estimated from its own verify steps (each draft examined is a trial: those accepted, and the first rejected one).
-The i-th draft then brings a^i tokens on average and costs c of a request's step: its row in the verify step
-(VERIFY_ROW_COST) and its share of the proposer's time, measured engine-wide (DraftCost; before the first
-measurement the draft model's weights over the target's, a decode step being a read of the weights). So a request
-proposes the drafts with a^i >= c, up to num_speculative_tokens: a draft model a third of its target's size (0.5B
-for 1.5B) proposes fewer than one a fifteenth of it (0.5B for 7B). A new request's estimate starts at
-PRIOR_ACCEPTANCE, an even chance (it started at certainty before, and at alpha 0 those first steps' drafts were most
-of what adaptive k cost). One whose estimate falls so low that it proposes none probes with a single draft after 4
-steps without drafts, then after 8, 16, ... 64 while the probes keep failing; an accepted draft resets that wait.
+The i-th draft then brings a^i tokens on average and costs c of a request's share of a step: its row in the verify step
+and its share of the proposer's time, both measured engine-wide (DraftCost). The row's price depends on the batch: at
+one request a decode step is a read of the weights and a row is nearly free; in a batch of 16 the rows' compute is
+much of the step, and a request's extra row costs a good part of its share of it. So the steps' time (less the
+proposer's) is fitted over their rows, and a row priced at the fit's slope over a request's share of a step of the
+running batch (VERIFY_ROW_COST before the steps vary in rows). The proposer's share, before its first measurement,
+is the draft model's weights over the target's, a decode step being a read of the weights. So a request proposes the
+drafts with a^i >= c, up to num_speculative_tokens: a draft model a third of its target's size (0.5B for 1.5B)
+proposes fewer than one a fifteenth of it (0.5B for 7B), and a batch of 16 fewer than a single request. A new
+request's estimate starts at PRIOR_ACCEPTANCE, an even chance (it started at certainty before, and at alpha 0 those
+first steps' drafts were most of what adaptive k cost). One whose estimate falls so low that it proposes none probes
+with a single draft after 4 steps without drafts, then after 8, 16, ... 64 while the probes keep failing; an accepted
+draft resets that wait.
 Those waits are for a draft costing PROBE_COST of a step; a dearer one waits as many times longer, so that probing
 costs about the same share of a request's steps whatever the draft (at most PROBE_COST / FIRST_PROBE_WAIT, 3 %).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from mini_infer.speculative_config import VERIFY_ROW_COST
@@ -27,6 +33,7 @@ PRIOR_ACCEPTANCE = 0.5
 FIRST_PROBE_WAIT = 4
 LONGEST_PROBE_WAIT = 64
 PROBE_COST = 0.125  # the draft cost the waits above are for (a dearer draft waits cost / PROBE_COST times as long)
+ROW_WINDOW = 32  # the decode steps a verify row's price is fitted over
 
 
 @dataclass(slots=True)
@@ -37,22 +44,46 @@ class DraftCost:
     a batch's drafts share the draft model's steps as its tokens share the target's, so where all propose, a
     request's share of the proposer over its share of the step is that ratio; a request probing alone in a batch of
     4 pays a whole draft step for itself, and counted against a quarter of the step it read 4x dearer, which shut a
-    batch out of drafting for good after a run of failed drafts."""
+    batch out of drafting for good after a run of failed drafts.
+
+    The row: the recent decode steps' time less the proposer's, fitted as fixed + slope x rows (least squares over
+    the last ROW_WINDOW steps whose requests all decoded or verified, none prefilling), priced for a batch of n
+    requests at slope x n / (fixed + slope x n): one more row's time over a request's share of an n-row step."""
 
     proposer: float  # start: the prior (the draft model's decode weights over the target's; 0 for n-gram lookup)
+    steps: deque = field(default_factory=lambda: deque(maxlen=ROW_WINDOW))  # (rows, seconds less the proposer's)
 
-    @property
-    def value(self) -> float:
-        return VERIFY_ROW_COST + self.proposer
+    def value(self, batch: int) -> float:
+        """A draft's cost for a request of a batch of `batch` requests."""
+        return self.row(batch) + self.proposer
 
-    def observe(self, step_seconds: float, proposer_seconds: float, drafts: int, proposing: int) -> None:
+    def row(self, batch: int) -> float:
+        """A verify row's time over a request's share of a decode step of `batch` rows (VERIFY_ROW_COST while the
+        steps held are too few or all of one size)."""
+        if len(self.steps) < 3:
+            return VERIFY_ROW_COST
+        mean_rows = sum(rows for rows, _ in self.steps) / len(self.steps)
+        mean_seconds = sum(seconds for _, seconds in self.steps) / len(self.steps)
+        spread = sum((rows - mean_rows) ** 2 for rows, _ in self.steps)
+        if spread == 0:
+            return VERIFY_ROW_COST
+        slope = max(0.0, sum((rows - mean_rows) * (seconds - mean_seconds) for rows, seconds in self.steps) / spread)
+        fixed = max(0.0, mean_seconds - slope * mean_rows)
+        step = fixed + slope * batch
+        return slope * batch / step if step > 0 else VERIFY_ROW_COST
+
+    def observe(self, step_seconds: float, proposer_seconds: float, drafts: int, proposing: int, rows: int) -> None:
         """A step that took `step_seconds`, `proposer_seconds` of them proposing `drafts` drafts for the next, for
-        `proposing` requests (drafts / proposing draft steps, each over all of them)."""
+        `proposing` requests (drafts / proposing draft steps, each over all of them); `rows`: its tokens where all
+        its requests decoded or verified (0 for a step with prompt tokens, which the row's fit leaves out)."""
         rest = step_seconds - proposer_seconds
-        if drafts <= 0 or proposing <= 0 or rest <= 0:
+        if rest <= 0:
             return
-        sample = proposer_seconds / (drafts / proposing) / rest
-        self.proposer += EMA_WEIGHT * (sample - self.proposer)
+        if rows:
+            self.steps.append((rows, rest))
+        if drafts > 0 and proposing > 0:
+            sample = proposer_seconds / (drafts / proposing) / rest
+            self.proposer += EMA_WEIGHT * (sample - self.proposer)
 
 
 @dataclass(slots=True)
@@ -67,7 +98,7 @@ class DraftPolicy:
 
     def next_k(self, cost: float) -> int:
         """The drafts to propose for the request's next step (called once for each step it samples in), a draft
-        costing `cost` of a step (DraftCost.value)."""
+        costing `cost` of its share of a step (DraftCost.value)."""
         if not self.adaptive:
             return self.max_k
         k = 0
