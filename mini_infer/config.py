@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from mini_infer import gguf_file
 from mini_infer.speculative_config import SpeculativeConfig
 
 DTYPES = {
@@ -41,13 +42,14 @@ TASKS = ("auto", "generate", "embed", "score")
 POOLING_TYPES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean"}  # sentence-transformers' modes
 
 
-CHECKPOINT_QUANTIZATION = ("gptq", "awq")  # pre-quantised checkpoints' methods (mini_infer.model.prequantized)
+# pre-quantised checkpoints' methods (mini_infer.model.prequantized; GGUF's Q8_0 / Q4_0: mini_infer.gguf_file)
+CHECKPOINT_QUANTIZATION = ("gptq", "awq", "gguf")
 # Methods and formats people meet that mini-infer does not load, each with what it is.
 _UNSUPPORTED_METHODS = {
     "exl2": "exllama v2's EXL2 format", "marlin": "Marlin's packing", "gptq_marlin": "Marlin's packing",
     "awq_marlin": "Marlin's packing", "bitblas": "BitBLAS's packing", "bitsandbytes": "bitsandbytes",
     "fp8": "FP8 weights", "compressed-tensors": "compressed-tensors", "hqq": "HQQ", "aqlm": "AQLM", "eetq": "EETQ",
-    "torchao": "torchao's tensor subclasses", "gguf": "GGUF", "qqq": "QQQ", "mxfp4": "MXFP4"}
+    "torchao": "torchao's tensor subclasses", "qqq": "QQQ", "mxfp4": "MXFP4"}
 _GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 2}  # checkpoint_format -> its zero-point convention (v1 stores zero - 1)
 _AWQ_UNSUPPORTED_VERSIONS = {"gemv": "GEMV packing", "gemv_fast": "GEMV-fast packing", "marlin": "Marlin's packing",
                              "exllama": "ExLlama's packing", "ipex": "IPEX's packing"}
@@ -56,7 +58,8 @@ _AWQ_UNSUPPORTED_VERSIONS = {"gemv": "GEMV packing", "gemv_fast": "GEMV-fast pac
 @dataclass(frozen=True, slots=True)
 class CheckpointQuantization:
     """A pre-quantised checkpoint's `quantization_config`: GPTQ (bits 4 or 8, groups or one per row, symmetric or
-    not for 4 bits, act-order with g_idx) or AWQ (4 bits, GEMM packing, zero points)."""
+    not for 4 bits, act-order with g_idx), AWQ (4 bits, GEMM packing, zero points), or a GGUF file's (the directory
+    gguf_file.py writes for it: its fewest bits, groups of 32; each tensor's own type says how it loads)."""
 
     method: str  # CHECKPOINT_QUANTIZATION
     bits: int
@@ -76,6 +79,8 @@ class CheckpointQuantization:
         if method not in CHECKPOINT_QUANTIZATION:
             raise ValueError(f"{where} quant_method must be one of {', '.join(CHECKPOINT_QUANTIZATION)}, got "
                              f"{raw.get('quant_method')!r}")
+        if method == "gguf":
+            return cls("gguf", int(raw["bits"]), int(raw["group_size"]))
         bits, group = raw.get("bits", raw.get("w_bit")), raw.get("group_size", raw.get("q_group_size"))
         allowed_bits = (4, 8) if method == "gptq" else (4,)
         if bits not in allowed_bits:
@@ -165,6 +170,8 @@ class ModelConfig:
     attention_bias: bool = True  # q/k/v projections with a bias: Qwen2's (Qwen3 and Llama have none)
     qk_norm: bool = False  # an RMSNorm over each head of q and of k before RoPE (Qwen3)
     rope_scaling: Llama3RopeScaling | None = None
+    # A GGUF file's rope_freqs (llama.cpp's form of Llama 3.1's RoPE scaling): each rotary frequency over its factor.
+    rope_freq_factors: tuple[float, ...] | None = None
     classifier_from_token: tuple[str, ...] | None = None  # a reranker's (no, yes) tokens (RERANKER_ARCHITECTURE)
     # Embeddings that may be cut short (PoolingParams.dimensions): any length (is_matryoshka) or these lengths.
     is_matryoshka: bool = False
@@ -240,6 +247,7 @@ class ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=_rope_theta(raw, source),
             rope_scaling=_rope_scaling(raw, source),
+            rope_freq_factors=_rope_freq_factors(raw, head_dim, source),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             max_position_embeddings=int(need("max_position_embeddings")),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
@@ -311,6 +319,19 @@ def _rope_scaling(raw: dict, source: str) -> Llama3RopeScaling | None:
                 raise ValueError(f"{source}: rope_scaling and rope_parameters disagree")
             found = scaling
     return found
+
+
+def _rope_freq_factors(raw: dict, head_dim: int, source: str) -> tuple[float, ...] | None:
+    factors = raw.get("rope_freq_factors")
+    if factors is None:
+        return None
+    if _rope_scaling(raw, source) is not None:
+        raise ValueError(f"{source}: rope_freq_factors and rope_scaling both scale RoPE; give one")
+    if not isinstance(factors, list) or len(factors) != head_dim // 2 or not all(
+            isinstance(f, (int, float)) and f > 0 for f in factors):
+        raise ValueError(f"{source}: rope_freq_factors must be {head_dim // 2} positive numbers (one per rotary "
+                         f"frequency), got {factors!r}")
+    return tuple(float(f) for f in factors)
 
 
 def _rope_theta(raw: dict, source: str) -> float:
@@ -461,7 +482,9 @@ DEFAULT_GPU_CHUNKED_BUDGET = 8192
 class EngineConfig:
     """Every engine knob, validated once at construction."""
 
-    model: str
+    model: str  # a model directory, or a GGUF file (gguf_file.py: replaced here by the directory written for it)
+    # The tokenizer's directory (vLLM's name): None, the model's (a GGUF file's own vocabulary, converted).
+    tokenizer: str | None = None
     dtype: str | torch.dtype = "auto"
     device: str = "cpu"
     block_size: int = 16
@@ -508,9 +531,14 @@ class EngineConfig:
     draft_config: EngineConfig | None = field(init=False)
 
     def __post_init__(self) -> None:
+        if gguf_file.is_gguf(self.model):
+            self.model = str(gguf_file.model_dir(self.model, self.tokenizer))
+            self.tokenizer = None  # the directory holds the tokenizer asked for
         model_dir = Path(self.model)
         if not model_dir.is_dir():
             raise FileNotFoundError(f"model directory not found: {model_dir}")
+        if self.tokenizer is not None and not (Path(self.tokenizer) / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"tokenizer: no tokenizer.json in {self.tokenizer}")
         self.model_config = ModelConfig.from_dir(model_dir, self.hf_overrides)
         self.task, self.pooler = resolve_task(self.task, self.model_config, model_dir)
         _positive("block_size", self.block_size)
@@ -658,6 +686,11 @@ class EngineConfig:
         if self.tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size must be 1 for a {method} checkpoint (its groups do not split "
                              f"across ranks here), got {self.tensor_parallel_size}")
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        """Where the tokenizer is read from: `tokenizer`, else the model's directory."""
+        return Path(self.tokenizer or self.model)
 
     @property
     def world_size(self) -> int:

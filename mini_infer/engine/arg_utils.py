@@ -41,6 +41,7 @@ def _json_object(text: str) -> dict:
 class EngineArgs:
     # the model and where it runs
     model: str | None = None  # None: the random-weight qwen2.5-0.5b preset, generated once into the cache
+    tokenizer: str | None = _default("tokenizer")
     task: str = _default("task")
     hf_overrides: dict | None = _default("hf_overrides")
     dtype: str = _default("dtype")
@@ -77,7 +78,10 @@ class EngineArgs:
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         parser.add_argument("--model", default=None,
                             help="local HF-format model directory (default: the random-weight qwen2.5-0.5b preset, "
-                                 "generated once into the cache)")
+                                 "generated once into the cache), or a GGUF file (README: GGUF files)")
+        parser.add_argument("--tokenizer", default=None,
+                            help="the tokenizer's directory (default: the model's; for a GGUF file, its own "
+                                 "vocabulary)")
         parser.add_argument("--task", default=_default("task"), choices=TASKS,
                             help="generate (text), embed (embeddings) or score (a reranker's relevance); auto: embed "
                                  "for a base model or sentence-transformers pooling, score for a Qwen3-Reranker, else "

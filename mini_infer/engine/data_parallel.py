@@ -27,7 +27,6 @@ import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from multiprocessing.connection import wait
-from pathlib import Path
 
 
 from mini_infer.config import EngineConfig
@@ -66,7 +65,7 @@ class DataParallelEngine(EngineClient):
     def __init__(self, config: EngineConfig, restart_backoff_s: float = RESTART_BACKOFF_S) -> None:
         """restart_backoff_s: the wait before a dead replica's first restart (each next one waits twice as long)."""
         self.config = config
-        self.tokenizer = load_tokenizer(Path(config.model))
+        self.tokenizer = load_tokenizer(config.tokenizer_dir)
         self.processor = InputProcessor(config, self.tokenizer, config.resolved_num_kv_blocks())
         self._supervisor = Supervisor(replace(config, data_parallel_size=1), config.data_parallel_size,
                                        config.max_replica_restarts, restart_backoff_s)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mini_infer.config import EngineConfig
@@ -46,7 +45,7 @@ class LLMEngine(EngineClient):
             raise ValueError("LLMEngine is one replica; build data_parallel_size > 1 with "
                              "mini_infer.engine.data_parallel.create_engine (LLM does)")
         self.config = config
-        self.tokenizer = load_tokenizer(Path(config.model))
+        self.tokenizer = load_tokenizer(config.tokenizer_dir)
         self._decode = raw_decoder(self.tokenizer) if self.tokenizer is not None else None
         num_blocks = config.resolved_num_kv_blocks()
         self.processor = InputProcessor(config, self.tokenizer, num_blocks)

@@ -41,11 +41,13 @@ class RotaryEmbedding(nn.Module):
     """
 
     def __init__(self, head_dim: int, rope_theta: float, max_positions: int, *, dtype: torch.dtype, device,
-                 scaling: Llama3RopeScaling | None = None) -> None:
+                 scaling: Llama3RopeScaling | None = None, freq_factors: tuple[float, ...] | None = None) -> None:
         super().__init__()
         inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         if scaling is not None:
             inv_freq = _llama3_frequencies(inv_freq, scaling)
+        if freq_factors is not None:  # llama.cpp's form of the same scaling (a GGUF file's rope_freqs)
+            inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", angles.cos().to(dtype=dtype, device=device), persistent=False)

@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from mini_infer import gguf_file
 from mini_infer.config import ModelConfig
 from mini_infer.distributed.comm import Comm
 from mini_infer.distributed.shard import Shard
@@ -163,6 +164,10 @@ def _ignorable(name: str, config: ModelConfig, lm_head: bool) -> bool:
 
 
 def load_weights(model: Qwen2ForCausalLM, config: ModelConfig, model_dir: Path) -> None:
+    if (model_dir / gguf_file.LINK).exists():  # a GGUF file's directory (gguf_file.py)
+        from mini_infer.model.gguf_weights import load_gguf_weights  # (it builds on this module's helpers)
+
+        return load_gguf_weights(model, config, model_dir / gguf_file.LINK)
     shard = model.shard
     lm_head = model.has_lm_head
     shapes = _expected_shapes(config, lm_head)

@@ -87,7 +87,7 @@ class Qwen2ForCausalLM(nn.Module):
         self.layers = nn.ModuleList(Qwen2DecoderLayer(config, shard, comm, ops, **factory)
                                     for _ in range(shard.num_layers))
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, max_positions, **factory,
-                                      scaling=config.rope_scaling)
+                                      scaling=config.rope_scaling, freq_factors=config.rope_freq_factors)
         self.norm = self.lm_head = None
         if shard.last_stage:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)

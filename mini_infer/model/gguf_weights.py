@@ -1,0 +1,162 @@
+"""A GGUF file's tensors into our network (the file's directory and config: mini_infer/gguf_file.py).
+
+llama.cpp's names map onto HF's (token_embd -> model.embed_tokens, blk.N.attn_q -> model.layers.N.self_attn.q_proj,
+...), and then load as a safetensors checkpoint's do (model/loader.py: the fused q/k/v and gate/up, a tensor- or
+pipeline-parallel rank's part only, every tensor of its exact shape and exactly once). A GGUF lists a 2-D tensor's
+dimensions innermost first ([in_features, out_features]); its data is the row-major [out_features, in_features].
+convert_hf_to_gguf.py permutes the rows of a Llama model's q and k projections (each head's two rotary halves
+interleaved, as llama.cpp's RoPE takes them); they are put back here.
+
+Q8_0 (34-byte blocks: a float16 scale d and 32 int8 values q, w = d q) and Q4_0 (18 bytes: d and 16 bytes of 4-bit q,
+the block's first 16 values in the low nibbles and the next 16 in the high ones, w = d (q - 8)) are mini-infer's int8
+and int4 layouts with groups of 32 (kernels/quant.py, decision 002): their integers and scales load unchanged, so the
+weights are exactly llama.cpp's. A fused weight's parts must share one type. A quantised embedding is a lookup table,
+not a matmul: it is expanded to the model's dtype (exact in float32); the LM head keeps the file's type (the
+embedding's, when the head is tied).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mini_infer.config import ModelConfig
+from mini_infer.gguf_file import GROUP, QUANTIZED_TYPES
+from mini_infer.kernels.quant import QuantizedTensor
+from mini_infer.model import loader, prequantized
+from mini_infer.model.qwen2 import Qwen2ForCausalLM
+
+_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+_LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+          "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+          "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+          "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_BLOCK_BYTES = {"Q8_0": 2 + GROUP, "Q4_0": 2 + GROUP // 2}
+
+
+def hf_name(name: str) -> str | None:
+    """The HF checkpoint name of a GGUF tensor (None: a name we do not know)."""
+    if name in _GLOBAL:
+        return _GLOBAL[name]
+    match = _BLOCK.fullmatch(name)
+    if match is None or match[2] not in _LAYER:
+        return None
+    return f"model.layers.{match[1]}.{_LAYER[match[2]]}.{match[3]}"
+
+
+def dequantize(q: QuantizedTensor) -> torch.Tensor:
+    """The float32 weights a Q8_0 / Q4_0 tensor stands for ([out_features, in_features])."""
+    values = q.q.float() - (8 if q.bits == 4 else 0)
+    return (values.view(q.out_features, -1, q.group) * q.scales[:, :, None]).reshape(q.out_features, -1)
+
+
+def quantized(tensor) -> QuantizedTensor:
+    """A Q8_0 / Q4_0 tensor's blocks as a QuantizedTensor of the same integers and scales."""
+    kind = tensor.tensor_type.name
+    in_features, out_features = (int(n) for n in tensor.shape)
+    blocks = torch.from_numpy(np.array(tensor.data)).view(out_features, in_features // GROUP,
+                                                                       _BLOCK_BYTES[kind])
+    scales = blocks[:, :, :2].contiguous().view(torch.float16)[:, :, 0].float()
+    if kind == "Q8_0":
+        q = blocks[:, :, 2:].contiguous().view(torch.int8).reshape(out_features, in_features)
+    else:
+        packed = blocks[:, :, 2:]
+        q = torch.cat([packed & 0x0F, packed >> 4], dim=2).reshape(out_features, in_features)
+    return QuantizedTensor(q.contiguous(), scales.contiguous(), None, QUANTIZED_TYPES[kind], GROUP, in_features,
+                           torch.float16, None)
+
+
+def _float(tensor) -> torch.Tensor:
+    """An F32 / F16 / BF16 tensor in its own dtype, [out_features, in_features] for a 2-D one."""
+    shape = [int(n) for n in reversed(tensor.shape)]
+    data = np.array(tensor.data)
+    if tensor.tensor_type.name == "BF16":
+        return torch.from_numpy(data.view(np.int16)).view(torch.bfloat16).reshape(shape)
+    return torch.from_numpy(data).reshape(shape)
+
+
+def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """convert_hf_to_gguf.py's Llama q/k row order undone: per head, [half 0 row i, half 1 row i] pairs back to the
+    two halves one after the other."""
+    shape = rows.shape
+    return rows.reshape(heads, shape[0] // heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
+
+
+def _unpermuted(q: QuantizedTensor, heads: int) -> QuantizedTensor:
+    return QuantizedTensor(_unpermute(q.q, heads).contiguous(), _unpermute(q.scales, heads).contiguous(), None, q.bits,
+                           q.group, q.in_features, q.scale_dtype, None)
+
+
+def load_gguf_weights(model: Qwen2ForCausalLM, config: ModelConfig, file: Path) -> None:
+    from gguf import GGUFReader
+
+    shard = model.shard
+    float_config = ModelConfig(**{**{f: getattr(config, f) for f in config.__dataclass_fields__},
+                                  "quantization": None})
+    shapes = loader._expected_shapes(float_config, model.has_lm_head)
+    targets = loader._targets(model, float_config, shard)
+    parts_of = {name: (module, attr, parts) for module, attr, parts in loader._quantized_linears(model, config, shard)
+                for name, _, _ in parts}
+    permuted = {}
+    if config.architecture == "LlamaForCausalLM":
+        permuted = {f"model.layers.{i}.self_attn.{p}_proj.weight": heads for i in range(config.num_hidden_layers)
+                    for p, heads in (("q", config.num_attention_heads), ("k", config.num_key_value_heads))}
+    loader._zero_vocab_padding(model, shard)
+    if not config.attention_bias:
+        for layer in model.layers:
+            layer.self_attn.qkv_bias.data.zero_()
+    held: dict[str, QuantizedTensor] = {}  # quantised projections (without .weight) this rank holds
+    head: QuantizedTensor | None = None
+    loaded: set[str] = set()
+    for tensor in GGUFReader(file).tensors:
+        if tensor.name == "rope_freqs.weight":
+            continue  # in the config (gguf_file.py: rope_freq_factors)
+        name = hf_name(tensor.name)
+        if name is None or name not in shapes:
+            raise ValueError(f"{file}: unexpected tensor {tensor.name!r} for a {config.architecture} model of this "
+                             "config")
+        shape = tuple(int(n) for n in reversed(tensor.shape))
+        if shape != shapes[name]:
+            raise ValueError(f"{file}: tensor {tensor.name!r} ({name}) has shape {shape}, expected {shapes[name]}")
+        loaded.add(name)
+        is_quantized = tensor.tensor_type.name in QUANTIZED_TYPES
+        lm_head = name == "lm_head.weight" or (name == "model.embed_tokens.weight" and config.tie_word_embeddings)
+        if is_quantized and (name[:-len(".weight")] in parts_of or (lm_head and model.has_lm_head)):
+            value = quantized(tensor)
+            if name in permuted:
+                value = _unpermuted(value, permuted[name])
+            if name[:-len(".weight")] in parts_of:
+                held[name[:-len(".weight")]] = value
+                continue
+            head = value
+            if name == "lm_head.weight":
+                continue
+        if name not in targets:
+            continue  # another rank's tensor
+        value = dequantize(quantized(tensor)) if is_quantized else _float(tensor)
+        if name in permuted:
+            value = _unpermute(value, permuted[name])
+        for target in targets[name]:
+            part = value[target.rows] if value.dim() == 1 else value[target.rows, target.cols]
+            target.param.data[target.row_start: target.row_start + part.shape[0]].copy_(part)
+    missing = sorted(set(shapes) - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(f"{file}: GGUF file is missing tensors: {shown}")
+    for module, attr, parts in loader._quantized_linears(model, config, shard):
+        stored = [held.pop(name, None) for name, _, _ in parts]
+        if all(s is None for s in stored):
+            continue  # float parts: copied above
+        if any(s is None for s in stored) or len({s.bits for s in stored}) > 1:
+            raise ValueError(f"{file}: {parts[0][0]} ({attr}): the fused projections {[n for n, _, _ in parts]} "
+                             "are stored in different types; mini-infer fuses only projections of one type")
+        module._parameters.pop(attr)
+        setattr(module, attr, prequantized.concat(stored, f"{parts[0][0]} ({attr})"))
+    if head is not None:
+        model._parameters.pop("lm_head", None)
+        model.lm_head = head

@@ -1,0 +1,282 @@
+"""GGUF files (mini_infer/gguf_file.py, model/gguf_weights.py): written here as llama.cpp's convert_hf_to_gguf.py writes
+them (gguf-py's writer, its tensor-name map and its quantisers, which are llama.cpp's reference), from perturbed random
+models; float files give the safetensors model's logits exactly, Q8_0 and Q4_0 weights load as llama.cpp dequantises
+them bit for bit and run as the float64 model of those weights, the file's own vocabulary tokenizes as the model's
+tokenizer, and what does not load is refused by name. With the llama.cpp peer set up (mini-infer bench), its own
+converter's files are loaded too."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import build_hf_model
+from mini_infer import LLM, SamplingParams
+from mini_infer.gguf_file import hf_config
+
+gguf = pytest.importorskip("gguf")
+
+ARCHS = {"qwen2": "QWEN2", "qwen3": "QWEN3", "llama": "LLAMA"}
+QTYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0"}
+PROMPTS = [[5, 17, 42, 99, 3], [200, 11, 7], [64, 64, 1, 250, 31, 8, 12]]
+native = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+                            reason="quantised GGUF weights run on the native kernels, which need AVX2 + FMA")
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: each head's rotary halves interleaved row by row."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(model, path: Path, outtype: str = "f32", tokenizer_dir: Path | None = None) -> Path:
+    """`model` (a transformers model) as a GGUF file: 2-D weights in `outtype`, 1-D tensors F32 (as the converter
+    writes them), with the tokenizer of `tokenizer_dir` as GGUF vocabulary metadata when given."""
+    config = model.config
+    arch = getattr(gguf.MODEL_ARCH, ARCHS[config.model_type])
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    rope_theta = getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(rope_theta)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if config.model_type == "qwen3":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if tokenizer_dir is not None:
+        _add_vocabulary(writer, tokenizer_dir, config.vocab_size)
+    scaling = (getattr(config, "rope_parameters", None) or {})
+    if scaling.get("rope_type") == "llama3":  # the converter's rope_freqs: a factor per rotary frequency
+        writer.add_tensor("rope_freqs.weight", _llama3_factors(head_dim, rope_theta, scaling))
+    qtype = getattr(gguf.GGMLQuantizationType, QTYPES[outtype])
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        data = tensor.detach().float().numpy()
+        if config.model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            data = _permute(data, heads)
+        target = qtype if data.ndim == 2 else gguf.GGMLQuantizationType.F32
+        stored = gguf.quants.quantize(data, target) if target != gguf.GGMLQuantizationType.F32 else data
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), stored, raw_dtype=target)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _llama3_factors(head_dim: int, theta: float, scaling: dict) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel rope_freqs: 1 for short wavelengths, `factor` for long ones, and between the
+    two 1 / ((1 - smooth) / factor + smooth)."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    factors = []
+    for freq in 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)):
+        wavelength = 2 * math.pi / freq
+        if wavelength < original / high:
+            factors.append(1.0)
+        elif wavelength > original / low:
+            factors.append(factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def _add_vocabulary(writer, tokenizer_dir: Path, vocab_size: int) -> None:
+    """A BPE tokenizer.json as the converter's gpt2-model vocabulary (tokens by id, padded to the vocabulary size)."""
+    raw = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    tokens = {i: token for token, i in raw["model"]["vocab"].items()}
+    special = {t["id"]: t["content"] for t in raw["added_tokens"]}
+    tokens.update(special)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list([tokens.get(i, f"[PAD{i}]") for i in range(vocab_size)])
+    writer.add_token_types([3 if i in special else (1 if i in tokens else 5) for i in range(vocab_size)])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in raw["model"]["merges"]])
+    settings = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    writer.add_eos_token_id({token: i for i, token in tokens.items()}[settings["eos_token"]])
+    writer.add_chat_template(settings["chat_template"])
+
+
+def _model(architecture: str, seed: int, dtype=torch.float32):
+    extra = {"qwen3": dict(head_dim=32)}.get(architecture, {})
+    return build_hf_model(seed=seed, vocab_size=300, architecture=architecture, tie_word_embeddings=seed % 2 == 0,
+                          **extra).to(dtype)
+
+
+def _prompt_logprobs(llm: LLM) -> list:
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [([{t: lp.logprob for t, lp in step.items()} for step in out.prompt_logprobs[1:]], out.outputs[0].token_ids,
+             [{t: lp.logprob for t, lp in step.items()} for step in out.outputs[0].logprobs]) for out in outputs]
+
+
+@pytest.mark.parametrize("architecture,outtype,dtype", [
+    ("qwen2", "f32", torch.float32), ("qwen3", "bf16", torch.bfloat16), ("llama", "f16", torch.float16),
+    ("llama", "f32", torch.float32)])
+def test_a_float_gguf_gives_the_safetensors_models_logits(tmp_path, architecture, outtype, dtype):
+    """The same weights from a GGUF file and from the safetensors checkpoint: equal logprobs, token for token (both run
+    in float32; the checkpoint is saved in the file's dtype, so neither rounds what the other does not)."""
+    model = _model(architecture, seed=len(architecture) + len(outtype), dtype=dtype)
+    model.save_pretrained(tmp_path / "hf")
+    write_gguf(model, tmp_path / "model.gguf", outtype)
+    ours = _prompt_logprobs(LLM(str(tmp_path / "model.gguf"), dtype="float32", num_kv_blocks=32))
+    reference = _prompt_logprobs(LLM(str(tmp_path / "hf"), dtype="float32", num_kv_blocks=32))
+    assert ours == reference
+
+
+def test_llama_3_1s_scaled_rope_loads_from_the_files_frequency_factors(tmp_path):
+    """Llama 3.1's RoPE scaling reaches a GGUF file as llama.cpp's rope_freqs (a factor per frequency): the same
+    frequencies, computed in another order in float32, so the logprobs agree to float32 rounding and the tokens
+    exactly."""
+    scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)
+    model = build_hf_model(seed=11, vocab_size=300, architecture="llama", rope_scaling=scaling)
+    model.save_pretrained(tmp_path / "hf")
+    llm = LLM(str(write_gguf(model, tmp_path / "model.gguf")), dtype="float32", num_kv_blocks=32)
+    factors = llm.engine.config.model_config.rope_freq_factors
+    assert factors is not None and 1.0 in factors and 8.0 in factors and any(1 < f < 8 for f in factors)
+    ours, reference = _prompt_logprobs(llm), _prompt_logprobs(LLM(str(tmp_path / "hf"), dtype="float32",
+                                                                  num_kv_blocks=32))
+    for (prompt, tokens, steps), (prompt_ref, tokens_ref, steps_ref) in zip(ours, reference):
+        assert tokens == tokens_ref
+        for step, step_ref in zip(prompt + steps, prompt_ref + steps_ref):
+            assert step.keys() == step_ref.keys()
+            assert all(abs(step[t] - step_ref[t]) < 1e-4 for t in step)
+
+
+@native
+@pytest.mark.parametrize("architecture,outtype", [("qwen2", "q8_0"), ("llama", "q4_0"), ("qwen3", "q8_0")])
+def test_q8_0_and_q4_0_load_as_llama_cpp_dequantises_and_run_as_the_float64_model_of_those_weights(
+        tmp_path, architecture, outtype):
+    from gguf import GGUFReader
+
+    from mini_infer.model.gguf_weights import dequantize, quantized
+
+    model = _model(architecture, seed=3 if outtype == "q8_0" else 4)
+    path = write_gguf(model, tmp_path / "model.gguf", outtype)
+    reader = GGUFReader(str(path))
+    weights = {}
+    for tensor in reader.tensors:
+        if tensor.tensor_type.name == outtype.upper():
+            ours = dequantize(quantized(tensor)).numpy()
+            theirs = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            assert ours.shape == theirs.shape and np.array_equal(ours, theirs), tensor.name  # bit for bit
+            weights[tensor.name] = theirs
+    # HF's float64 model of the dequantised weights (permuted back for Llama, as the converter's inverse)
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, ARCHS[architecture]), model.config.num_hidden_layers)
+    reference = model.double()
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            stored = weights.get(names.get_name(name, try_suffixes=(".weight", ".bias")))
+            if stored is None or (name == "lm_head.weight" and model.config.tie_word_embeddings):
+                continue
+            if architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = model.config.num_attention_heads if "q_proj" in name else model.config.num_key_value_heads
+                stored = stored.reshape(heads, stored.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(
+                    stored.shape)
+            param.copy_(torch.from_numpy(np.ascontiguousarray(stored)))
+    llm = LLM(str(path), dtype="float32", cpu_kernels="on", num_kv_blocks=32)
+    assert llm.engine.config.model_config.quantization.method == "gguf"
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    for prompt, out in zip(PROMPTS, llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)):
+        out = out.outputs[0]
+        ids = torch.tensor([prompt + list(out.token_ids)])
+        with torch.no_grad():
+            logits = reference(ids).logits[0, len(prompt) - 1: -1]
+        expected = torch.log_softmax(logits, dim=-1)
+        for step, token in enumerate(out.token_ids):
+            # the kernel's int16 rounding of the activations (tests/test_prequantized.py: the same bound)
+            assert abs(out.logprobs[step][token].logprob - expected[step, token].item()) < 3e-3
+            assert expected[step, token] >= expected[step].max() - 6e-3
+
+
+def test_the_files_own_vocabulary_tokenizes_as_the_models_tokenizer(tiny_model_dir, tmp_path):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    path = write_gguf(model, tmp_path / "tiny.gguf", "f32", tokenizer_dir=tiny_model_dir)
+    ours = LLM(str(path), dtype="float32", num_kv_blocks=32)
+    theirs = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=32)
+    text = "Hello, world! 你好 <|im_start|>user\n  def f(x):\n\treturn x  "
+    assert ours.get_tokenizer().encode(text) == theirs.get_tokenizer().encode(text)
+    chat = [{"role": "user", "content": "hi"}]
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    assert ([o.outputs[0].text for o in ours.chat([chat], params, use_tqdm=False)]
+            == [o.outputs[0].text for o in theirs.chat([chat], params, use_tqdm=False)])
+
+
+def test_what_does_not_load_is_refused_by_name(tmp_path):
+    model = _model("qwen2", seed=7)
+    path = write_gguf(model, tmp_path / "model.gguf", "f32")
+    reader = gguf.GGUFReader(str(path))
+    assert hf_config(reader, "x")[0]["architectures"] == ["Qwen2ForCausalLM"]
+    # a K-quant tensor
+    k_quant = tmp_path / "k.gguf"
+    writer = gguf.GGUFWriter(str(k_quant), "qwen2")
+    writer.add_tensor("token_embd.weight", np.zeros((300, 144), dtype=np.uint8),
+                      raw_dtype=gguf.GGMLQuantizationType.Q4_K)  # one 144-byte block of 256 values a row
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="tensor 'token_embd.weight' is Q4_K; mini-infer loads GGUF tensors of types"):
+        LLM(str(k_quant))
+    # an architecture we do not run
+    other = tmp_path / "gemma.gguf"
+    writer = gguf.GGUFWriter(str(other), "gemma")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="general.architecture 'gemma' is not supported"):
+        LLM(str(other))
+    with pytest.raises(FileNotFoundError, match="GGUF file not found"):
+        LLM(str(tmp_path / "missing.gguf"))
+
+
+@native
+def test_a_quantised_gguf_runs_in_one_tensor_parallel_rank(tmp_path):
+    path = write_gguf(_model("qwen2", seed=8), tmp_path / "model.gguf", "q8_0")
+    with pytest.raises(ValueError, match="tensor_parallel_size must be 1 for a gguf checkpoint"):
+        LLM(str(path), tensor_parallel_size=2)
+
+
+def _converter() -> Path | None:
+    from mini_infer.bench.peer_env import PeerVenv
+    from mini_infer.bench.peers import LLAMA_CPP_SDIST
+
+    script = PeerVenv("llama.cpp").root / LLAMA_CPP_SDIST / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py"
+    return script if script.is_file() else None
+
+
+@pytest.mark.skipif(_converter() is None, reason="the llama.cpp peer (its convert_hf_to_gguf.py) is not set up here")
+@pytest.mark.parametrize("preset,outtype", [("tiny", "bf16"), ("qwen3-tiny", "q8_0")])
+def test_llama_cpps_own_converter_writes_files_that_load(tmp_path, preset, outtype):
+    from mini_infer.factory import make_model
+
+    source = make_model(preset, tmp_path / "hf", seed=1, dtype="bfloat16")
+    script = _converter()
+    deps = script.parents[3] / "converter-deps"
+    subprocess.run([sys.executable, str(script), str(source), "--outtype", outtype, "--outfile",
+                    str(tmp_path / "model.gguf")], check=True, capture_output=True,
+                   env={"PYTHONPATH": str(deps), "PATH": "/usr/bin:/bin"})
+    ours = LLM(str(tmp_path / "model.gguf"), dtype="float32", num_kv_blocks=32)
+    theirs = LLM(str(source), dtype="float32", num_kv_blocks=32)
+    text = "Hello, world! 你好"
+    assert ours.get_tokenizer().encode(text) == theirs.get_tokenizer().encode(text)
+    if outtype == "bf16":
+        assert _prompt_logprobs(ours) == _prompt_logprobs(theirs)
