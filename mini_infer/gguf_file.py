@@ -81,9 +81,9 @@ def _write(file: Path, tokenizer_dir: Path | None, out: Path) -> None:
             if (tokenizer_dir / name).is_file():
                 shutil.copyfile(tokenizer_dir / name, out / name)
     elif "tokenizer.ggml.tokens" in reader.fields:
-        from transformers import AutoTokenizer
+        from transformers import PreTrainedTokenizerFast
 
-        AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name).save_pretrained(str(out))
+        PreTrainedTokenizerFast.from_pretrained(str(file.parent), gguf_file=file.name).save_pretrained(str(out))
 
 
 def field(reader, key: str, default=None):

@@ -15,9 +15,9 @@ from pathlib import Path
 METHODS = ("ngram", "draft_model")
 # vLLM's n-gram window when neither bound is given.
 DEFAULT_PROMPT_LOOKUP = 5
-# A draft's row in a verify step, relative to a decode step (on the AMX Xeon a 1.5B bf16 target's 5-row step cost
-# 1.01 steps, its 7-row one 1.20, the 7B int8 target's 5-row one 1.33): the part of a draft's cost the adaptive rule
-# does not measure (engine/speculation.py DraftCost measures the proposer's).
+# A draft's row in a verify step, relative to a request's share of a decode step, until the steps measure it
+# (engine/speculation.py DraftCost fits it; on the AMX Xeon a 1.5B bf16 target's 5-row step cost 1.01 steps at one
+# request, its 7-row one 1.20, the 7B int8 target's 5-row one 1.33).
 VERIFY_ROW_COST = 0.05
 
 

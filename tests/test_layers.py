@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "mini_infer"
-LEAVES = {"config", "speculative_config", "sampling_params", "pooling_params", "outputs", "errors", "paths",
-          "profiling", "machine"}
+LEAVES = {"config", "speculative_config", "gguf_file", "sampling_params", "pooling_params", "outputs", "errors",
+          "paths", "profiling", "machine"}
 LAYERS = ["factory", "kernels", "distributed", "model", "runner", "executor", "engine", "bench", "entrypoints"]
 ENTRYPOINT_MODULES = {"__init__", "llm"}
 

@@ -1,7 +1,7 @@
 """A GGUF file's tensors into our network (the file's directory and config: mini_infer/gguf_file.py).
 
 llama.cpp's names map onto HF's (token_embd -> model.embed_tokens, blk.N.attn_q -> model.layers.N.self_attn.q_proj,
-...), and then load as a safetensors checkpoint's do (model/loader.py: the fused q/k/v and gate/up, a tensor- or
+...), and then load as a safetensors checkpoint's do (model/weight_map.py: the fused q/k/v and gate/up, a tensor- or
 pipeline-parallel rank's part only, every tensor of its exact shape and exactly once). A GGUF lists a 2-D tensor's
 dimensions innermost first ([in_features, out_features]); its data is the row-major [out_features, in_features].
 convert_hf_to_gguf.py permutes the rows of a Llama model's q and k projections (each head's two rotary halves
@@ -26,7 +26,7 @@ import torch
 from mini_infer.config import ModelConfig
 from mini_infer.gguf_file import GROUP, QUANTIZED_TYPES
 from mini_infer.kernels.quant import QuantizedTensor
-from mini_infer.model import loader, prequantized
+from mini_infer.model import prequantized, weight_map
 from mini_infer.model.qwen2 import Qwen2ForCausalLM
 
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -98,15 +98,14 @@ def load_gguf_weights(model: Qwen2ForCausalLM, config: ModelConfig, file: Path) 
     shard = model.shard
     float_config = ModelConfig(**{**{f: getattr(config, f) for f in config.__dataclass_fields__},
                                   "quantization": None})
-    shapes = loader._expected_shapes(float_config, model.has_lm_head)
-    targets = loader._targets(model, float_config, shard)
-    parts_of = {name: (module, attr, parts) for module, attr, parts in loader._quantized_linears(model, config, shard)
-                for name, _, _ in parts}
+    shapes = weight_map.expected_shapes(float_config, model.has_lm_head)
+    targets = weight_map.targets(model, float_config, shard)
+    parts_of = {name for _, _, parts in weight_map.quantized_linears(model, config, shard) for name, _, _ in parts}
     permuted = {}
     if config.architecture == "LlamaForCausalLM":
         permuted = {f"model.layers.{i}.self_attn.{p}_proj.weight": heads for i in range(config.num_hidden_layers)
                     for p, heads in (("q", config.num_attention_heads), ("k", config.num_key_value_heads))}
-    loader._zero_vocab_padding(model, shard)
+    weight_map.zero_vocab_padding(model, shard)
     if not config.attention_bias:
         for layer in model.layers:
             layer.self_attn.qkv_bias.data.zero_()
@@ -148,7 +147,7 @@ def load_gguf_weights(model: Qwen2ForCausalLM, config: ModelConfig, file: Path) 
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"{file}: GGUF file is missing tensors: {shown}")
-    for module, attr, parts in loader._quantized_linears(model, config, shard):
+    for module, attr, parts in weight_map.quantized_linears(model, config, shard):
         stored = [held.pop(name, None) for name, _, _ in parts]
         if all(s is None for s in stored):
             continue  # float parts: copied above
