@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from mini_infer.config import ModelConfig
-from mini_infer.gguf_file import GROUP, QUANTIZED_TYPES
+from mini_infer.gguf_file import GROUP, QUANTIZED_TYPES, GGUFHeader
 from mini_infer.kernels.quant import QuantizedTensor
 from mini_infer.model import prequantized, weight_map
 from mini_infer.model.qwen2 import Qwen2ForCausalLM
@@ -93,8 +93,6 @@ def _unpermuted(q: QuantizedTensor, heads: int) -> QuantizedTensor:
 
 
 def load_gguf_weights(model: Qwen2ForCausalLM, config: ModelConfig, file: Path) -> None:
-    from gguf import GGUFReader
-
     shard = model.shard
     float_config = ModelConfig(**{**{f: getattr(config, f) for f in config.__dataclass_fields__},
                                   "quantization": None})
@@ -112,7 +110,7 @@ def load_gguf_weights(model: Qwen2ForCausalLM, config: ModelConfig, file: Path) 
     held: dict[str, QuantizedTensor] = {}  # quantised projections (without .weight) this rank holds
     head: QuantizedTensor | None = None
     loaded: set[str] = set()
-    for tensor in GGUFReader(file).tensors:
+    for tensor in GGUFHeader(file).tensors:
         if tensor.name == "rope_freqs.weight":
             continue  # in the config (gguf_file.py: rope_freq_factors)
         name = hf_name(tensor.name)
