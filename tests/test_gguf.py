@@ -318,3 +318,18 @@ def test_llama_cpps_own_converter_writes_files_that_load(tmp_path, preset, outty
     assert ours.get_tokenizer().encode(text) == theirs.get_tokenizer().encode(text)
     if outtype == "bf16":
         assert _prompt_logprobs(ours) == _prompt_logprobs(theirs)
+
+
+def test_the_bench_runs_a_gguf_file_as_it_is(tmp_path):
+    """`mini-infer bench --model file.gguf` benches the file's directory (bench/cli.py): mini-infer runs the file
+    (llama.cpp, where set up, the very same file: bench/peers.py); HF's systems, which run safetensors checkpoints,
+    are refused by name."""
+    from mini_infer.bench.systems import SystemFactory
+    from mini_infer.gguf_file import model_dir
+
+    path = write_gguf(_model("qwen2", seed=9), tmp_path / "model.gguf", "q8_0")
+    factory = SystemFactory(str(model_dir(path)), "float32", max_requests=2, max_seq_len=16, log=lambda m: None)
+    result = factory.build("mini-infer").run([[1, 2, 3], [4, 5]], [3, 2])
+    assert [len(ids) for ids in result.token_ids] == [3, 2]
+    with pytest.raises(ValueError, match="hf-generate runs a safetensors checkpoint; the model is a GGUF file"):
+        factory.build("hf-generate")

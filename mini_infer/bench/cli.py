@@ -29,8 +29,13 @@ def main(argv: list[str]) -> int:
             from mini_infer.bench.run import run_bench
             from mini_infer.engine.arg_utils import EngineArgs
 
+            from mini_infer import gguf_file
+
             options = BenchOptions.from_args(args)
-            run_bench(options, EngineArgs(model=options.model).resolved_model())
+            model = EngineArgs(model=options.model).resolved_model()
+            if gguf_file.is_gguf(model):  # its directory: mini-infer and llama.cpp both run the file itself
+                model = str(gguf_file.model_dir(model))
+            run_bench(options, model)
             return 0
         if args.command == "profile":
             return run_profile(args)

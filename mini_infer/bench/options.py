@@ -42,7 +42,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                              "CPU servers under vLLM's load generator, short and long prompts (README: Serving); "
                              "speculative-draft, speculative-ngram: see --speculative")
     parser.add_argument("--model", default=None, help="local HF-format model directory (default: the random-weight "
-                                                      "qwen2.5-0.5b preset)")
+                                                      "qwen2.5-0.5b preset), or a GGUF file, which mini-infer and "
+                                                      "llama.cpp then both run as it is")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     parser.add_argument("--device", choices=DEVICES, default="cpu",
                         help="where the systems run: cuda runs mini-infer (CUDA graphs for decode), mini-infer-eager "

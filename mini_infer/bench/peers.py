@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from mini_infer import gguf_file
 from mini_infer.bench.peer_env import WORKERS_DIR, PeerUnavailable, PeerVenv, Recipe, Worker, last_line
 from mini_infer.bench.report import RunResult
 
@@ -119,11 +120,14 @@ class LlamaCpp(WorkerSystem):
 
     def __init__(self, model_dir: str, outtype: str, *, max_requests: int, max_seq_len: int,
                  log: Callable[[str], None]) -> None:
-        if outtype not in GGUF_OUTTYPES:
+        if outtype not in GGUF_OUTTYPES:  # (a GGUF file's own types go as they are)
             raise ValueError(f"GGUF outtype must be one of {', '.join(GGUF_OUTTYPES)}, got {outtype!r}")
         venv = PeerVenv("llama.cpp")
         record = venv.ensure(LLAMA_CPP, log)
-        if outtype == "q4_0":  # llama-quantize's default Q4_0 mix from the bf16 GGUF
+        linked = Path(model_dir) / gguf_file.LINK
+        if linked.exists():  # a GGUF file's directory (mini_infer/gguf_file.py): the very file mini-infer runs
+            gguf, outtype = linked.resolve(), "the file's"
+        elif outtype == "q4_0":  # llama-quantize's default Q4_0 mix from the bf16 GGUF
             bf16 = convert_to_gguf(venv.root, venv.root / "gguf", model_dir, "bf16", log)
             gguf = quantize_gguf(llama_cpp_tools(log), bf16, outtype, log)
         else:

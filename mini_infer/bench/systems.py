@@ -15,7 +15,9 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
+from mini_infer import gguf_file
 from mini_infer.bench.peers import PEER_NAMES, build_peer
 from mini_infer.bench.report import RunResult
 from mini_infer.config import EngineConfig
@@ -138,6 +140,9 @@ class SystemFactory:
                 args.update(device=self.device, enforce_eager=name == "mini-infer-eager",
                             kv_cache_memory_gb=self.kv_cache_gb())
             return MiniInferSystem(self.model_dir, args, self.measure_rss)
+        if (Path(self.model_dir) / gguf_file.LINK).exists():
+            raise ValueError(f"{name} runs a safetensors checkpoint; the model is a GGUF file (run --systems "
+                             "mini-infer,llama.cpp on it)")
         from mini_infer.bench import hf  # only here: nothing else loads transformers' modeling code
 
         if self._hf_model is None:
