@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -321,6 +322,25 @@ def _rope_scaling(raw: dict, source: str) -> Llama3RopeScaling | None:
     return found
 
 
+_GGUF_PADDING = re.compile(r"\[PAD\d+\]")  # convert_hf_to_gguf.py's names for the ids past a tokenizer's last
+
+
+def _same_vocabulary(a: Path, b: Path) -> bool:
+    """Two tokenizer.json files give their tokens the same ids (each its added tokens included; a GGUF file's
+    converted vocabulary may carry the converter's padding tokens besides)."""
+    first, second = (_vocabulary(path) for path in (a, b))
+    return (all(second.get(token, i) == i for token, i in first.items())
+            and all(_GGUF_PADDING.fullmatch(token) for token in first.keys() ^ second.keys()))
+
+
+def _vocabulary(tokenizer_json: Path) -> dict[str, int]:
+    """A tokenizer.json's token -> id map, its added tokens included."""
+    raw = _read_json(tokenizer_json)
+    vocab = dict(raw.get("model", {}).get("vocab") or {})
+    vocab.update({token["content"]: token["id"] for token in raw.get("added_tokens") or ()})
+    return vocab
+
+
 def _rope_freq_factors(raw: dict, head_dim: int, source: str) -> tuple[float, ...] | None:
     factors = raw.get("rope_freq_factors")
     if factors is None:
@@ -621,9 +641,9 @@ class EngineConfig:
         except ValueError as e:
             raise ValueError(f"speculative_config.model ({spec.model}): {e}") from e
         draft, target = self.draft_config.model_config, self.model_config
-        tokenizers = [Path(d) / "tokenizer.json" for d in (spec.model, self.model)]
-        if all(t.is_file() for t in tokenizers):
-            same = tokenizers[0].read_bytes() == tokenizers[1].read_bytes()
+        tokenizers = [Path(d) / "tokenizer.json" for d in (self.draft_config.model, self.model)]
+        if all(t.is_file() for t in tokenizers):  # (a GGUF file's, converted, is spelled differently: its tokens)
+            same = tokenizers[0].read_bytes() == tokenizers[1].read_bytes() or _same_vocabulary(*tokenizers)
         else:
             same = draft.vocab_size == target.vocab_size
         if not same:

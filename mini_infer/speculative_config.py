@@ -2,9 +2,9 @@
 
 {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m} proposes the tokens
 that followed the latest earlier occurrence of a request's last n..m tokens in its own prompt and output;
-{"model": PATH, "num_speculative_tokens": k} proposes with a draft model of the same vocabulary (its own KV tensors
-over the target's blocks; "quantization" int8 or int4 quantises it at load). `adaptive` (on by default; mini-infer's
-own key) lets each request's number of drafts follow its recent acceptance, down to none.
+{"model": PATH, "num_speculative_tokens": k} proposes with a draft model (a directory or a GGUF file) of the same
+vocabulary (its own KV tensors over the target's blocks; "quantization" int8 or int4 quantises it at load). `adaptive`
+(on by default; mini-infer's own key) lets each request's number of drafts follow its recent acceptance, down to none.
 """
 
 from __future__ import annotations
@@ -85,8 +85,9 @@ class SpeculativeConfig:
     def _check_draft(self) -> None:
         if self.model is None:
             raise ValueError("speculative_config: method 'draft_model' needs 'model' (the draft's directory)")
-        if not Path(self.model).is_dir():
-            raise FileNotFoundError(f"speculative_config.model: draft model directory not found: {self.model}")
+        if not Path(self.model).is_dir() and not (str(self.model).endswith(".gguf") and Path(self.model).is_file()):
+            raise FileNotFoundError(f"speculative_config.model: draft model directory (or GGUF file) not found: "
+                                    f"{self.model}")
         if self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
             raise ValueError("speculative_config: prompt_lookup_min/max are the ngram method's; a draft model takes "
                              "neither")

@@ -333,3 +333,37 @@ def test_the_bench_runs_a_gguf_file_as_it_is(tmp_path):
     assert [len(ids) for ids in result.token_ids] == [3, 2]
     with pytest.raises(ValueError, match="hf-generate runs a safetensors checkpoint; the model is a GGUF file"):
         factory.build("hf-generate")
+
+
+@native
+def test_a_gguf_file_drafts_for_a_safetensors_target(tmp_path):
+    """A Q8_0 GGUF of the target's own weights as its draft (llama.cpp's --model-draft takes GGUF files): greedy
+    tokens equal speculation off's, and drafts are accepted (the draft is the target, quantised)."""
+    model = _model("qwen2", seed=12)
+    model.save_pretrained(tmp_path / "target")
+    draft = write_gguf(model, tmp_path / "draft.gguf", "q8_0")
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    plain = LLM(str(tmp_path / "target"), dtype="float32", num_kv_blocks=64)
+    spec = LLM(str(tmp_path / "target"), dtype="float32", num_kv_blocks=64,
+               speculative_config={"model": str(draft), "num_speculative_tokens": 3, "adaptive": False})
+    assert ([o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
+            == [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)])
+    assert spec.engine.stats().spec_decode.num_accepted_tokens > 0
+
+
+def test_a_converted_vocabulary_is_the_same_vocabulary(tmp_path):
+    """A GGUF file's vocabulary, converted, spells its tokenizer.json otherwise and may carry the converter's padding
+    tokens: the same ids for the same tokens is the same vocabulary (a draft's check), any other token or id is not."""
+    from mini_infer.config import _same_vocabulary
+
+    def tokenizer(name: str, vocab: dict, added: list) -> Path:
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"model": {"type": "BPE", "vocab": vocab},
+                                    "added_tokens": [{"id": i, "content": t} for t, i in added]}))
+        return path
+
+    hf = tokenizer("hf", {"a": 0, "b": 1}, [("<|end|>", 2)])
+    assert _same_vocabulary(hf, tokenizer("gguf", {"a": 0, "b": 1, "<|end|>": 2, "[PAD3]": 3}, []))
+    assert not _same_vocabulary(hf, tokenizer("moved", {"a": 0, "b": 2}, [("<|end|>", 1)]))
+    assert not _same_vocabulary(hf, tokenizer("more", {"a": 0, "b": 1, "c": 3}, [("<|end|>", 2)]))

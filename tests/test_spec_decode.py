@@ -333,7 +333,8 @@ def test_spec_stats_add_across_replicas():
     ({"method": "ngram", "num_speculative_tokens": 2, "lookup": 3}, "unknown key"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "prompt_lookup_min"),
-    ({"model": "/nonexistent/draft", "num_speculative_tokens": 2}, "draft model directory not found"),
+    ({"model": "/nonexistent/draft", "num_speculative_tokens": 2},
+     r"draft model directory \(or GGUF file\) not found"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size"),
 ])
 def test_bad_speculative_configs_are_refused_by_name(models, config, message):
