@@ -551,14 +551,14 @@ class EngineConfig:
     draft_config: EngineConfig | None = field(init=False)
 
     def __post_init__(self) -> None:
+        if self.tokenizer is not None and not (Path(self.tokenizer) / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"tokenizer: no tokenizer.json in {self.tokenizer}")
         if gguf_file.is_gguf(self.model):
             self.model = str(gguf_file.model_dir(self.model, self.tokenizer))
             self.tokenizer = None  # the directory holds the tokenizer asked for
         model_dir = Path(self.model)
         if not model_dir.is_dir():
             raise FileNotFoundError(f"model directory not found: {model_dir}")
-        if self.tokenizer is not None and not (Path(self.tokenizer) / "tokenizer.json").is_file():
-            raise FileNotFoundError(f"tokenizer: no tokenizer.json in {self.tokenizer}")
         self.model_config = ModelConfig.from_dir(model_dir, self.hf_overrides)
         self.task, self.pooler = resolve_task(self.task, self.model_config, model_dir)
         _positive("block_size", self.block_size)

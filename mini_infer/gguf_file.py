@@ -144,8 +144,6 @@ def model_dir(path: str | Path, tokenizer: str | Path | None = None) -> Path:
     if not file.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
     tokenizer_dir = Path(tokenizer).resolve() if tokenizer is not None else None
-    if tokenizer_dir is not None and not (tokenizer_dir / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"tokenizer: no tokenizer.json in {tokenizer}")
     stat = file.stat()
     key = hashlib.sha256(f"{file}\0{stat.st_size}\0{stat.st_mtime_ns}\0{tokenizer_dir}\0{_LAYOUT_VERSION}".encode())
     out = cache_dir() / "gguf" / f"{file.stem}-{key.hexdigest()[:16]}"
@@ -181,11 +179,6 @@ def _write(file: Path, tokenizer_dir: Path | None, out: Path) -> None:
         PreTrainedTokenizerFast.from_pretrained(str(file.parent), gguf_file=file.name).save_pretrained(str(out))
 
 
-def field(header: GGUFHeader, key: str, default=None):
-    """A metadata value (strings decoded, arrays as lists), or `default` when the file has none."""
-    return header.fields.get(key, default)
-
-
 def _float32(value: float) -> float:
     """A float32 metadata value as the shortest decimal that is that float32 (1e-06, not 9.999999974752427e-07): the
     config.json value it was written from."""
@@ -196,7 +189,8 @@ def _float32(value: float) -> float:
 
 def hf_config(header: GGUFHeader, source: str) -> tuple[dict, dict]:
     """config.json and generation_config.json for the file's model; its tensors' types checked (module docstring)."""
-    arch = field(header, "general.architecture")
+    meta = header.fields
+    arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(f"{source}: general.architecture {arch!r} is not supported; mini-infer loads GGUF files of "
                          f"{', '.join(ARCHITECTURES)}")
@@ -215,7 +209,7 @@ def hf_config(header: GGUFHeader, source: str) -> tuple[dict, dict]:
     p = f"{arch}."
 
     def need(key: str):
-        value = field(header, p + key)
+        value = meta.get(p + key)
         if value is None:
             raise ValueError(f"{source}: metadata {p + key} is missing")
         return value
@@ -229,10 +223,10 @@ def hf_config(header: GGUFHeader, source: str) -> tuple[dict, dict]:
     config = {
         "architectures": [ARCHITECTURES[arch]], "model_type": arch, "hidden_size": hidden,
         "intermediate_size": int(need("feed_forward_length")), "num_hidden_layers": int(need("block_count")),
-        "num_attention_heads": heads, "num_key_value_heads": int(field(header, p + "attention.head_count_kv", heads)),
-        "head_dim": int(field(header, p + "attention.key_length", hidden // heads)),
+        "num_attention_heads": heads, "num_key_value_heads": int(meta.get(p + "attention.head_count_kv", heads)),
+        "head_dim": int(meta.get(p + "attention.key_length", hidden // heads)),
         "rms_norm_eps": _float32(need("attention.layer_norm_rms_epsilon")),
-        "rope_theta": _float32(field(header, p + "rope.freq_base", 10000.0)),
+        "rope_theta": _float32(meta.get(p + "rope.freq_base", 10000.0)),
         "max_position_embeddings": int(need("context_length")), "vocab_size": int(embedding.shape[1]),
         "tie_word_embeddings": "output.weight" not in tensors, "torch_dtype": dtype,
     }
@@ -247,11 +241,11 @@ def hf_config(header: GGUFHeader, source: str) -> tuple[dict, dict]:
                                          "group_size": GROUP, "gguf_types": quantized}
     generation = {}
     for name in ("bos", "eos"):
-        token = field(header, f"tokenizer.ggml.{name}_token_id")
+        token = meta.get(f"tokenizer.ggml.{name}_token_id")
         if token is not None:
             config[f"{name}_token_id"] = generation[f"{name}_token_id"] = int(token)
     for key, name in _SAMPLING.items():
-        value = field(header, f"general.sampling.{key}")
+        value = meta.get(f"general.sampling.{key}")
         if value is not None:
             generation[name] = int(value) if name == "top_k" else _float32(value)
     return config, generation

@@ -18,6 +18,7 @@ embedding's, when the head is tied).
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -59,8 +60,7 @@ def quantized(tensor) -> QuantizedTensor:
     """A Q8_0 / Q4_0 tensor's blocks as a QuantizedTensor of the same integers and scales."""
     kind = tensor.tensor_type.name
     in_features, out_features = (int(n) for n in tensor.shape)
-    blocks = torch.from_numpy(np.array(tensor.data)).view(out_features, in_features // GROUP,
-                                                                       _BLOCK_BYTES[kind])
+    blocks = torch.from_numpy(np.array(tensor.data)).view(out_features, in_features // GROUP, _BLOCK_BYTES[kind])
     scales = blocks[:, :, :2].contiguous().view(torch.float16)[:, :, 0].float()
     if kind == "Q8_0":
         q = blocks[:, :, 2:].contiguous().view(torch.int8).reshape(out_features, in_features)
@@ -94,11 +94,11 @@ def _unpermuted(q: QuantizedTensor, heads: int) -> QuantizedTensor:
 
 def load_gguf_weights(model: Qwen2ForCausalLM, config: ModelConfig, file: Path) -> None:
     shard = model.shard
-    float_config = ModelConfig(**{**{f: getattr(config, f) for f in config.__dataclass_fields__},
-                                  "quantization": None})
+    float_config = replace(config, quantization=None)  # every tensor's float shape and target
     shapes = weight_map.expected_shapes(float_config, model.has_lm_head)
     targets = weight_map.targets(model, float_config, shard)
-    parts_of = {name for _, _, parts in weight_map.quantized_linears(model, config, shard) for name, _, _ in parts}
+    linears = weight_map.quantized_linears(model, config, shard)
+    parts_of = {name for _, _, parts in linears for name, _, _ in parts}
     permuted = {}
     if config.architecture == "LlamaForCausalLM":
         permuted = {f"model.layers.{i}.self_attn.{p}_proj.weight": heads for i in range(config.num_hidden_layers)
@@ -135,7 +135,10 @@ def load_gguf_weights(model: Qwen2ForCausalLM, config: ModelConfig, file: Path) 
                 continue
         if name not in targets:
             continue  # another rank's tensor
-        value = dequantize(quantized(tensor)) if is_quantized else _float(tensor)
+        if is_quantized:  # (a tied head's embedding: the head's integers and scales, expanded)
+            value = dequantize(head if lm_head and head is not None else quantized(tensor))
+        else:
+            value = _float(tensor)
         if name in permuted:
             value = _unpermute(value, permuted[name])
         for target in targets[name]:
@@ -145,7 +148,7 @@ def load_gguf_weights(model: Qwen2ForCausalLM, config: ModelConfig, file: Path) 
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"{file}: GGUF file is missing tensors: {shown}")
-    for module, attr, parts in weight_map.quantized_linears(model, config, shard):
+    for module, attr, parts in linears:
         stored = [held.pop(name, None) for name, _, _ in parts]
         if all(s is None for s in stored):
             continue  # float parts: copied above
