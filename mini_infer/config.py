@@ -28,7 +28,11 @@ _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp3
 # config.json's architectures that load, on one decoder with switches (ModelConfig.attention_bias, qk_norm,
 # rope_scaling): Qwen2 (Qwen2.5) with its QKV bias; Qwen3 (dense) without, with an RMSNorm on each head of q and k;
 # Llama (3, 3.1, 3.2) without either, its head tied or not, RoPE plain or "llama3".
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
+# Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B: Qwen2's attention, shared experts) and Qwen3-MoE (Qwen3's attention) swap
+# the MLP of their sparse layers for a mixture of experts (ModelConfig.moe).
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen2MoeForCausalLM",
+                           "Qwen3MoeForCausalLM")
+_QWEN3_ATTENTION = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # q_norm / k_norm, no QKV bias
 # The same decoders saved as base models, without an LM head (their tensors may lack the "model." prefix, as a
 # sentence-transformers checkpoint's do): embedding models, task embed.
 BASE_MODEL_ARCHITECTURES = {"Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM",
@@ -150,6 +154,54 @@ class Llama3RopeScaling:
 
 
 @dataclass(frozen=True, slots=True)
+class MoeConfig:
+    """A mixture-of-experts MLP (Qwen2-MoE, Qwen3-MoE): each token's router logits [num_experts] go through a softmax
+    in float32, its top_k experts' SwiGLU MLPs (moe_intermediate_size each) run on it and their outputs are summed
+    weighted by those probabilities (renormalised over the top_k where norm_topk_prob); Qwen2-MoE adds a shared
+    expert (shared_expert_intermediate_size) gated by sigmoid(shared_expert_gate . x). Layer i is sparse unless it
+    is in mlp_only_layers or (i + 1) is not a multiple of decoder_sparse_step; the others keep the dense MLP
+    (intermediate_size)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert (Qwen3-MoE)
+
+    def sparse(self, layer: int) -> bool:
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+    @classmethod
+    def from_dict(cls, raw: dict, architecture: str, source: str) -> MoeConfig | None:
+        """None for a dense architecture."""
+        if "Moe" not in architecture:
+            return None
+        experts = raw.get("num_experts", raw.get("num_local_experts"))  # transformers 5 saves Qwen3-MoE's as the latter
+
+        def positive(key: str, value) -> int:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{source}: {key} must be an integer >= 1, got {value!r}")
+            return value
+
+        experts = positive("num_experts", experts)
+        top_k = positive("num_experts_per_tok", raw.get("num_experts_per_tok"))
+        if top_k > experts:
+            raise ValueError(f"{source}: num_experts_per_tok={top_k} exceeds num_experts={experts}")
+        only = raw.get("mlp_only_layers") or []
+        if not (isinstance(only, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in only)):
+            raise ValueError(f"{source}: mlp_only_layers must be a list of layer indices, got {only!r}")
+        shared = 0
+        if architecture == "Qwen2MoeForCausalLM":
+            shared = positive("shared_expert_intermediate_size", raw.get("shared_expert_intermediate_size"))
+        return cls(experts, top_k, positive("moe_intermediate_size", raw.get("moe_intermediate_size")),
+                   _flag(raw, "norm_topk_prob", source), positive("decoder_sparse_step",
+                                                                   raw.get("decoder_sparse_step", 1)),
+                   tuple(sorted(set(only))), shared)
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     """The decoder's shape and switches, as the checkpoint's config.json describes them (SUPPORTED_ARCHITECTURES)."""
 
@@ -177,13 +229,28 @@ class ModelConfig:
     # Embeddings that may be cut short (PoolingParams.dimensions): any length (is_matryoshka) or these lengths.
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
+    moe: MoeConfig | None = None  # the mixture of experts of a MoE architecture's sparse layers
+
+    def sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts."""
+        return self.moe is not None and self.moe.sparse(layer)
 
     @property
     def decode_weights(self) -> int:
-        """The weights a decode step reads: every layer's projections and the LM head (not the embedding)."""
+        """The weights a decode step of one token reads: every layer's projections (a sparse layer's router, its
+        top_k experts and its shared expert) and the LM head (not the embedding)."""
         q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
-        layer = self.hidden_size * (2 * q + 2 * kv) + 3 * self.hidden_size * self.intermediate_size
-        return self.num_hidden_layers * layer + self.vocab_size * self.hidden_size
+        attention, hidden = self.hidden_size * (2 * q + 2 * kv), self.hidden_size
+        moe = self.moe
+        total = self.vocab_size * hidden
+        for layer in range(self.num_hidden_layers):
+            if self.sparse(layer):
+                shared = moe.shared_expert_intermediate_size
+                experts = 3 * hidden * moe.intermediate_size * moe.top_k + 3 * hidden * shared
+                total += attention + moe.num_experts * hidden + experts + (hidden if shared else 0)
+            else:
+                total += attention + 3 * hidden * self.intermediate_size
+        return total
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, overrides: dict | None = None) -> ModelConfig:
@@ -216,10 +283,13 @@ class ModelConfig:
         _reject_unsupported_attention(raw, source)
         if raw.get("mlp_bias"):
             raise ValueError(f"{source}: mlp_bias true (biases on the MLP projections) is not supported")
-        if family != "Qwen2ForCausalLM" and raw.get("attention_bias"):
+        qwen2_attention = family in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+        if not qwen2_attention and raw.get("attention_bias"):
             raise ValueError(f"{source}: attention_bias true ({architecture}'s biases on q/k/v and o_proj) is not "
                              "supported")
-        attention_bias = family == "Qwen2ForCausalLM"
+        if family == "Qwen2MoeForCausalLM" and raw.get("qkv_bias") is False:
+            raise ValueError(f"{source}: qkv_bias false (Qwen2-MoE without its q/k/v biases) is not supported")
+        attention_bias = qwen2_attention
         quantized = raw.get("quantization_config")
         quantization = CheckpointQuantization.from_dict(quantized, source) if quantized else None
 
@@ -256,10 +326,11 @@ class ModelConfig:
             quantization=quantization,
             architecture=architecture,
             attention_bias=attention_bias,
-            qk_norm=family == "Qwen3ForCausalLM",
+            qk_norm=family in _QWEN3_ATTENTION,
             classifier_from_token=_reranker_tokens(raw, architecture, source),
             is_matryoshka=_flag(raw, "is_matryoshka", source),
             matryoshka_dimensions=_matryoshka_dimensions(raw, hidden, source),
+            moe=MoeConfig.from_dict(raw, family, source),
         )
 
 
@@ -751,8 +822,13 @@ def _check_parallel_split(mc: ModelConfig, tp: int, pp: int) -> None:
         raise ValueError(f"tensor_parallel_size={tp} cannot split num_key_value_heads={kv_heads}: the KV heads are "
                          "divided evenly (tp divides them) or replicated (a multiple of them divides tp), "
                          f"so tp must be one of {_split_sizes(heads, kv_heads)}")
-    if mc.intermediate_size % tp:
-        raise ValueError(f"tensor_parallel_size={tp} must divide intermediate_size={mc.intermediate_size}")
+    sizes = {"intermediate_size": mc.intermediate_size}
+    if mc.moe is not None:
+        sizes |= {"moe_intermediate_size": mc.moe.intermediate_size,
+                  "shared_expert_intermediate_size": mc.moe.shared_expert_intermediate_size}
+    for name, size in sizes.items():
+        if size % tp:
+            raise ValueError(f"tensor_parallel_size={tp} must divide {name}={size}")
     if pp > mc.num_hidden_layers:
         raise ValueError(f"pipeline_parallel_size={pp} exceeds num_hidden_layers={mc.num_hidden_layers} "
                          "(each stage holds at least one layer)")

@@ -28,7 +28,8 @@ from pathlib import Path
 from mini_infer.paths import cache_dir
 
 # general.architecture -> config.json's architectures
-ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
+                 "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
 FLOAT_TYPES = ("F32", "F16", "BF16")
 QUANTIZED_TYPES = {"Q8_0": 8, "Q4_0": 4}  # type -> bits, groups of 32 (QK8_0 = QK4_0 = 32)
 GROUP = 32
@@ -230,6 +231,17 @@ def hf_config(header: GGUFHeader, source: str) -> tuple[dict, dict]:
         "max_position_embeddings": int(need("context_length")), "vocab_size": int(embedding.shape[1]),
         "tie_word_embeddings": "output.weight" not in tensors, "torch_dtype": dtype,
     }
+    if arch.endswith("moe"):
+        # A layer without a router keeps its dense MLP (llama.cpp's own build expects experts in every layer); the
+        # top-k weights renormalised for Qwen3-MoE and not for Qwen2-MoE (as llama.cpp computes them) unless the
+        # file says otherwise.
+        dense = [i for i in range(config["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
+        config |= {"num_experts": int(need("expert_count")), "num_experts_per_tok": int(need("expert_used_count")),
+                   "moe_intermediate_size": int(need("expert_feed_forward_length")),
+                   "norm_topk_prob": bool(meta.get(p + "expert_weights_norm", arch == "qwen3moe")),
+                   "decoder_sparse_step": 1, "mlp_only_layers": dense}
+        if arch == "qwen2moe":
+            config["shared_expert_intermediate_size"] = int(need("expert_shared_feed_forward_length"))
     if "rope_freqs.weight" in tensors:  # Llama 3.1's scaled RoPE, as llama.cpp takes it: a factor per frequency
         freqs = tensors["rope_freqs.weight"]
         if freqs.tensor_type.name != "F32":

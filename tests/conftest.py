@@ -66,7 +66,8 @@ PARITY_CONFIGS = {
 
 def build_hf_model(seed: int = 0, vocab_size: int = 1000, *, architecture: str = "qwen2", rope_scaling=None,
                    **overrides):
-    """A transformers Qwen2ForCausalLM (or Qwen3ForCausalLM / LlamaForCausalLM, `architecture="qwen3"` / `"llama"`;
+    """A transformers Qwen2ForCausalLM (or Qwen3ForCausalLM / LlamaForCausalLM / Qwen2MoeForCausalLM /
+    Qwen3MoeForCausalLM, `architecture="qwen3"` / `"llama"` / `"qwen2_moe"` / `"qwen3_moe"`;
     `rope_scaling`: llama3 parameters) in float64 with every tensor randomised: HF's init leaves biases at 0 and norm
     weights at 1, which would hide loading bugs there."""
     import transformers
@@ -79,9 +80,12 @@ def build_hf_model(seed: int = 0, vocab_size: int = 1000, *, architecture: str =
     if rope_scaling is not None:
         rope.update(rope_type="llama3", **rope_scaling)
     family = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-              "llama": ("LlamaConfig", "LlamaForCausalLM")}
+              "llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+              "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
     config_class, model_class = (getattr(transformers, name) for name in family[architecture])
-    config = config_class(**settings, rope_parameters=rope, attn_implementation="sdpa")
+    # The experts in HF's own loop (its default grouped matmul refuses float64).
+    experts = {"experts_implementation": "eager"} if architecture.endswith("moe") else {}
+    config = config_class(**settings, rope_parameters=rope, attn_implementation="sdpa", **experts)
     torch.manual_seed(seed)
     model = model_class(config).to(torch.float64).eval()
     gen = torch.Generator().manual_seed(seed)
@@ -110,6 +114,58 @@ def to_published_layout(config_path: Path) -> None:
     raw["torch_dtype"] = raw.pop("dtype")
     raw.pop("layer_types", None)
     config_path.write_text(json.dumps(raw, indent=2))
+
+
+def rms_norm_float64(self, hidden_states):
+    """HF's RMSNorm forward, normalising in the model's float64 rather than float32 (patched over HF's class where a
+    test compares logits to float64 rounding)."""
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def prefill_logits(engine, prompt: list[int]) -> torch.Tensor:
+    """The logits of every position of `prompt`, from one prefill step of `engine` (the request stays scheduled)."""
+    from dataclasses import replace
+
+    from mini_infer import SamplingParams
+
+    engine.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    step = engine.runner.prepare(engine.scheduler.schedule())
+    return engine.runner.forward(replace(step, logits_indices=torch.arange(step.num_tokens)))
+
+
+# The prompts of the architecture parity tests (test_families.py, test_moe.py) and their greedy continuations' length.
+FAMILY_PROMPT_LENGTHS = [1, 3, 17, 40, 96, 7]
+FAMILY_NEW_TOKENS = 24
+
+
+def family_checkpoint(name: str, architecture: str, config: dict, out_dir: Path):
+    """(checkpoint dir, HF model, prompts, HF greedy continuation of each prompt alone) of a perturbed random model
+    of `architecture` (build_hf_model) named `name` (its seed and prompts' seed)."""
+    import random
+
+    model = build_hf_model(seed=len(name), architecture=architecture, **config)
+    path = save_hf_model(model, out_dir)
+    rng = random.Random(name)
+    prompts = [[rng.randrange(model.config.vocab_size) for _ in range(n)] for n in FAMILY_PROMPT_LENGTHS]
+    return path, model, prompts, [hf_greedy(model, p, FAMILY_NEW_TOKENS) for p in prompts]
+
+
+def check_preemption_prefix_caching_and_chunks(path: Path, model, prompts: list[list[int]],
+                                               expected: list[list[int]]) -> None:
+    """Greedy tokens equal HF's alone with 36 blocks of 4 tokens (the longest request alone needs 30: preemption),
+    shared prefixes (cache hits) and 16-token chunks, and every block returns."""
+    from mini_infer import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=FAMILY_NEW_TOKENS, ignore_eos=True)
+    shared = prompts + [prompts[4][:50] + prompts[2][:9]]
+    llm = LLM(str(path), dtype="float64", block_size=4, num_kv_blocks=36, enable_prefix_caching=True,
+              enable_chunked_prefill=True, max_num_batched_tokens=16, device=DEVICE)
+    outputs = llm.generate(shared + shared[:2], greedy, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    alone = hf_greedy(model, shared[-1], FAMILY_NEW_TOKENS)
+    assert [o.outputs[0].token_ids for o in outputs] == expected + [alone] + expected[:2]
+    assert llm.engine.kv_cache.num_free_blocks == 36
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:

@@ -6,13 +6,12 @@ prefill, and under tensor and pipeline parallelism; both config.json layouts; th
 from __future__ import annotations
 
 import json
-import random
-from dataclasses import replace
 
 import pytest
 import torch
 
-from conftest import DEVICE, build_hf_model, hf_greedy, save_hf_model
+from conftest import (DEVICE, FAMILY_NEW_TOKENS, build_hf_model, check_preemption_prefix_caching_and_chunks,
+                      family_checkpoint, hf_greedy, prefill_logits, rms_norm_float64, save_hf_model)
 from mini_infer import LLM, SamplingParams
 from mini_infer.config import ModelConfig
 from mini_infer.engine.llm_engine import LLMEngine
@@ -40,8 +39,7 @@ CONFIGS = {
                                    rope_theta=1e6, tie_word_embeddings=False, num_hidden_layers=3)),
 }
 LLAMA_CONFIGS = {name: config for name, (family, config) in CONFIGS.items() if family == "llama"}
-PROMPT_LENGTHS = [1, 3, 17, 40, 96, 7]
-MAX_NEW_TOKENS = 24
+MAX_NEW_TOKENS = FAMILY_NEW_TOKENS
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
 
 
@@ -49,23 +47,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=T
 def family(request, tmp_path_factory):
     """(checkpoint dir, HF model, prompts, HF greedy continuation of each prompt alone)."""
     architecture, config = CONFIGS[request.param]
-    model = build_hf_model(seed=len(request.param), architecture=architecture, **config)
-    path = save_hf_model(model, tmp_path_factory.mktemp(request.param))
-    rng = random.Random(request.param)
-    prompts = [[rng.randrange(model.config.vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS]
-    return path, model, prompts, [hf_greedy(model, p, MAX_NEW_TOKENS) for p in prompts]
-
-
-def prefill_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
-    engine.add_request("p", prompt, replace(GREEDY, max_tokens=1))
-    step = engine.runner.prepare(engine.scheduler.schedule())
-    return engine.runner.forward(replace(step, logits_indices=torch.arange(step.num_tokens)))
-
-
-def _rms_norm_float64(self, hidden_states):
-    """HF's RMSNorm forward, normalising in the model's float64 rather than float32."""
-    variance = hidden_states.pow(2).mean(-1, keepdim=True)
-    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+    return family_checkpoint(request.param, architecture, config, tmp_path_factory.mktemp(request.param))
 
 
 def test_config_reads_the_switches(family):
@@ -101,7 +83,7 @@ def test_float64_logits_exact_against_full_precision_reference(family, monkeypat
     """With HF's RMSNorm computing in float64 too (it normalises in float32 even in a float64 model), our prefill
     logits agree with HF's to float64 rounding, the q/k norms and the scaled RoPE frequencies included."""
     path, model, prompts, _ = family
-    monkeypatch.setattr(type(model.model.norm), "forward", _rms_norm_float64)
+    monkeypatch.setattr(type(model.model.norm), "forward", rms_norm_float64)
     for prompt in prompts:
         ours = prefill_logits(LLMEngine.from_args(str(path), dtype="float64", device=DEVICE), prompt)
         with torch.no_grad():
@@ -126,16 +108,7 @@ def test_greedy_batch_equals_hf_alone(family):
 
 
 def test_greedy_with_preemption_prefix_caching_and_chunked_prefill_equals_hf(family):
-    path, _, prompts, expected = family
-    # 36 blocks of 4 tokens: the longest request alone needs 30; shared prefixes hit the cache; 16-token chunks.
-    shared = prompts + [prompts[4][:50] + prompts[2][:9]]
-    llm = LLM(str(path), dtype="float64", block_size=4, num_kv_blocks=36, enable_prefix_caching=True,
-              enable_chunked_prefill=True, max_num_batched_tokens=16, device=DEVICE)
-    outputs = llm.generate(shared + shared[:2], GREEDY, use_tqdm=False)
-    assert llm.engine.scheduler.num_preemptions > 0
-    alone = hf_greedy(family[1], shared[-1], MAX_NEW_TOKENS)
-    assert [o.outputs[0].token_ids for o in outputs] == expected + [alone] + expected[:2]
-    assert llm.engine.kv_cache.num_free_blocks == 36
+    check_preemption_prefix_caching_and_chunks(*family)
 
 
 def test_both_config_layouts_load_identically(tmp_path):
@@ -199,7 +172,7 @@ def test_presets_load_in_transformers_and_run(tmp_path, layout, preset, architec
         assert config.qk_norm and config.head_dim == 32 != config.hidden_size // config.num_attention_heads
     # The presets' small random weights leave near-ties that HF's float32 normalisation would flip; HF's generate
     # would also apply the preset's generation_config.json repetition_penalty (1.1), which GREEDY does not set.
-    monkeypatch.setattr(type(reference.model.norm), "forward", _rms_norm_float64)
+    monkeypatch.setattr(type(reference.model.norm), "forward", rms_norm_float64)
     reference.generation_config.repetition_penalty = 1.0
     llm = LLM(str(out), dtype="float64")
     [output] = llm.generate(["The capital of France"], GREEDY, use_tqdm=False)

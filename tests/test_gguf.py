@@ -23,7 +23,9 @@ from mini_infer.gguf_file import GGUFHeader, hf_config
 
 gguf = pytest.importorskip("gguf")
 
-ARCHS = {"qwen2": "QWEN2", "qwen3": "QWEN3", "llama": "LLAMA"}
+ARCHS = {"qwen2": "QWEN2", "qwen3": "QWEN3", "llama": "LLAMA", "qwen2_moe": "QWEN2MOE", "qwen3_moe": "QWEN3MOE"}
+# Kept in float32 by the converter whatever --outtype says (a MoE layer's router and shared-expert gate).
+FLOAT_KEPT = ("mlp.gate.weight", "shared_expert_gate.weight")
 QTYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0"}
 PROMPTS = [[5, 17, 42, 99, 3], [200, 11, 7], [64, 64, 1, 250, 31, 8, 12]]
 native = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
@@ -51,9 +53,15 @@ def write_gguf(model, path: Path, outtype: str = "f32", tokenizer_dir: Path | No
     writer.add_rope_freq_base(rope_theta)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if config.model_type == "qwen3":
+    if config.model_type.startswith("qwen3"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    if config.model_type.endswith("moe"):
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if config.model_type == "qwen2_moe":
+            writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if tokenizer_dir is not None:
         _add_vocabulary(writer, tokenizer_dir, config.vocab_size)
     scaling = (getattr(config, "rope_parameters", None) or {})
@@ -61,14 +69,11 @@ def write_gguf(model, path: Path, outtype: str = "f32", tokenizer_dir: Path | No
         writer.add_tensor("rope_freqs.weight", _llama3_factors(head_dim, rope_theta, scaling))
     qtype = getattr(gguf.GGMLQuantizationType, QTYPES[outtype])
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
-    for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        data = tensor.detach().float().numpy()
+    for name, data in _converter_tensors(model):
         if config.model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             data = _permute(data, heads)
-        target = qtype if data.ndim == 2 else gguf.GGMLQuantizationType.F32
+        target = qtype if data.ndim >= 2 and not name.endswith(FLOAT_KEPT) else gguf.GGMLQuantizationType.F32
         stored = gguf.quants.quantize(data, target) if target != gguf.GGMLQuantizationType.F32 else data
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), stored, raw_dtype=target)
     writer.write_header_to_file()
@@ -76,6 +81,25 @@ def write_gguf(model, path: Path, outtype: str = "f32", tokenizer_dir: Path | No
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _converter_tensors(model):
+    """(name, float32 array) of the tensors the converter writes: the tied head left out; a MoE layer's experts as
+    transformers 5 holds them (gate_up_proj [E, 2I, H], down_proj [E, H, I]) split into the converter's gate, up and
+    down [E, out, in]."""
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        data = tensor.detach().float().numpy()
+        if name.endswith("mlp.experts.gate_up_proj"):
+            base = name.removesuffix("gate_up_proj")
+            gate, up = np.split(data, 2, axis=1)
+            yield f"{base}gate_proj.weight", np.ascontiguousarray(gate)
+            yield f"{base}up_proj.weight", np.ascontiguousarray(up)
+        elif name.endswith("mlp.experts.down_proj"):
+            yield f"{name}.weight", data
+        else:
+            yield name, data
 
 
 def _llama3_factors(head_dim: int, theta: float, scaling: dict) -> np.ndarray:
@@ -112,8 +136,12 @@ def _add_vocabulary(writer, tokenizer_dir: Path, vocab_size: int) -> None:
     writer.add_chat_template(settings["chat_template"])
 
 
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+
+
 def _model(architecture: str, seed: int, dtype=torch.float32):
-    extra = {"qwen3": dict(head_dim=32)}.get(architecture, {})
+    extra = {"qwen3": dict(head_dim=32), "qwen3_moe": dict(head_dim=32, norm_topk_prob=True, **MOE),
+             "qwen2_moe": dict(shared_expert_intermediate_size=64, **MOE)}.get(architecture, {})
     return build_hf_model(seed=seed, vocab_size=300, architecture=architecture, tie_word_embeddings=seed % 2 == 0,
                           **extra).to(dtype)
 
@@ -127,7 +155,7 @@ def _prompt_logprobs(llm: LLM) -> list:
 
 @pytest.mark.parametrize("architecture,outtype,dtype", [
     ("qwen2", "f32", torch.float32), ("qwen3", "bf16", torch.bfloat16), ("llama", "f16", torch.float16),
-    ("llama", "f32", torch.float32)])
+    ("llama", "f32", torch.float32), ("qwen3_moe", "f32", torch.float32), ("qwen2_moe", "bf16", torch.bfloat16)])
 def test_a_float_gguf_gives_the_safetensors_models_logits(tmp_path, architecture, outtype, dtype):
     """The same weights from a GGUF file and from the safetensors checkpoint: equal logprobs, token for token (both run
     in float32; the checkpoint is saved in the file's dtype, so neither rounds what the other does not)."""
@@ -159,28 +187,36 @@ def test_llama_3_1s_scaled_rope_loads_from_the_files_frequency_factors(tmp_path)
 
 
 @native
-@pytest.mark.parametrize("architecture,outtype", [("qwen2", "q8_0"), ("llama", "q4_0"), ("qwen3", "q8_0")])
+@pytest.mark.parametrize("architecture,outtype", [("qwen2", "q8_0"), ("llama", "q4_0"), ("qwen3", "q8_0"),
+                                                  ("qwen3_moe", "q4_0"), ("qwen2_moe", "q8_0")])
 def test_q8_0_and_q4_0_load_as_llama_cpp_dequantises_and_run_as_the_float64_model_of_those_weights(
         tmp_path, architecture, outtype):
     from gguf import GGUFReader
 
-    from mini_infer.model.gguf_weights import dequantize, quantized
+    from mini_infer.model.gguf_weights import dequantize, named_tensors, quantized
 
     model = _model(architecture, seed=3 if outtype == "q8_0" else 4)
     path = write_gguf(model, tmp_path / "model.gguf", outtype)
-    reader = GGUFReader(str(path))
-    weights = {}
-    for tensor in reader.tensors:
+    weights = {tensor.name: gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+               for tensor in GGUFReader(str(path)).tensors if tensor.tensor_type.name == outtype.upper()}
+    for _, tensor in named_tensors(GGUFHeader(path)):  # a MoE layer's experts one by one: "blk.N.ffn_up_exps[e]"
         if tensor.tensor_type.name == outtype.upper():
             ours = dequantize(quantized(tensor)).numpy()
-            theirs = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            name, _, expert = tensor.name.partition("[")
+            theirs = weights[name][int(expert[:-1])] if expert else weights[name]
             assert ours.shape == theirs.shape and np.array_equal(ours, theirs), tensor.name  # bit for bit
-            weights[tensor.name] = theirs
     # HF's float64 model of the dequantised weights (permuted back for Llama, as the converter's inverse)
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, ARCHS[architecture]), model.config.num_hidden_layers)
     reference = model.double()
     with torch.no_grad():
         for name, param in reference.named_parameters():
+            if name.endswith("mlp.experts.gate_up_proj"):  # the file's gate and up experts, stacked as HF holds them
+                gate, up = (weights[names.get_name(f"{name.removesuffix('gate_up_proj')}{part}.weight",
+                                                   try_suffixes=(".weight",))] for part in ("gate_proj", "up_proj"))
+                param.copy_(torch.from_numpy(np.concatenate([gate, up], axis=1)))
+                continue
+            if name.endswith("mlp.experts.down_proj"):
+                name += ".weight"  # (HF's stacked experts are named without it)
             stored = weights.get(names.get_name(name, try_suffixes=(".weight", ".bias")))
             if stored is None or (name == "lm_head.weight" and model.config.tie_word_embeddings):
                 continue
@@ -302,7 +338,7 @@ def _converter() -> Path | None:
 
 
 @pytest.mark.skipif(_converter() is None, reason="the llama.cpp peer (its convert_hf_to_gguf.py) is not set up here")
-@pytest.mark.parametrize("preset,outtype", [("tiny", "bf16"), ("qwen3-tiny", "q8_0")])
+@pytest.mark.parametrize("preset,outtype", [("tiny", "bf16"), ("qwen3-moe-tiny", "q8_0")])
 def test_llama_cpps_own_converter_writes_files_that_load(tmp_path, preset, outtype):
     from mini_infer.factory import make_model
 

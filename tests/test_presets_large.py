@@ -158,3 +158,19 @@ def test_a_tiny_05b_draft_speculates_for_a_tiny_7b_target(tmp_path, tokenizer_di
     spec = LLM(str(target), **ENGINE, speculative_config={"model": str(draft), "num_speculative_tokens": 3})
     assert spec.generate(["Hello, world"], greedy, use_tqdm=False)[0].outputs[0].token_ids == \
         plain[0].outputs[0].token_ids
+
+
+def test_qwen3_30b_a3b_preset_has_transformers_own_parameters():
+    """Qwen3-30B-A3B's shape: the tensors transformers' Qwen3MoeForCausalLM holds (counted on the meta device,
+    experts fused there, per expert here), 30.5B parameters; a decode step of one token reads 3.04B of them (8 of
+    128 experts a layer, the LM head, not the embedding)."""
+    import transformers
+
+    from mini_infer.config import ModelConfig
+
+    preset = PRESETS["qwen3-30b-a3b"]
+    config = transformers.Qwen3MoeConfig(**{key: value for key, value in preset.items() if key != "architectures"})
+    with torch.device("meta"):
+        model = transformers.Qwen3MoeForCausalLM(config)
+    assert parameter_count(preset) == sum(p.numel() for p in model.parameters()) == 30_532_122_624
+    assert ModelConfig.from_dict(preset).decode_weights == 3_041_656_832

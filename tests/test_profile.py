@@ -18,17 +18,19 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return add_profile_args(argparse.ArgumentParser()).parse_args(argv)
 
 
-def _check_breakdown(result: dict) -> None:
+def _check_breakdown(result: dict, moe: bool = False) -> None:
     """Each measured range is positive and together they fit inside the profiled step. The layers run either in one
-    native call or op by op (then KV write and attention are their own rows)."""
+    native call or op by op (then KV write and attention are their own rows); a mixture of experts' routing and
+    experts are rows of their own."""
     rows = {row["name"]: row for row in result["rows"]}
     assert list(rows) == list(ROWS)
-    by_op, stacked = ("KV write", "attention"), "decoder layers (one native call)"
+    by_op, stacked, sparse = ("KV write", "attention"), "decoder layers (one native call)", ("MoE routing", "experts")
     if rows[stacked]["ms"] > 0:
         assert all(rows[name]["ms"] == 0 for name in by_op), rows
     else:
         assert all(rows[name]["ms"] > 0 for name in by_op), rows
-    assert all(rows[name]["ms"] > 0 for name in ROWS if name not in (OTHER, stacked, *by_op)), rows
+    assert all((rows[name]["ms"] > 0) == moe for name in sparse), rows
+    assert all(rows[name]["ms"] > 0 for name in ROWS if name not in (OTHER, stacked, *by_op, *sparse)), rows
     assert 0 < result["measured_ms"] <= result["step_ms"] and result["unprofiled_step_ms"] > 0
 
 
@@ -57,6 +59,15 @@ def test_profile_decode_step_leaves_the_engine_idle(tiny_model_dir, cpu_kernels,
     _check_breakdown(result)
     assert next(row for row in result["rows"] if row["name"] == layers_row)["ms"] > 0
     assert not engine.has_unfinished_requests() and engine.kv_cache_usage() == 0
+
+
+def test_a_mixture_of_experts_profiles_its_routing_and_its_experts(tmp_path):
+    from mini_infer.factory import make_model
+
+    model = make_model("qwen3-moe-tiny", tmp_path / "moe", dtype="float32")
+    engine = LLMEngine.from_args(str(model), dtype="float32")
+    result = profile_decode_step(engine, 3, prompt_len=5, decode_steps_before=1, steps=2)
+    _check_breakdown(result, moe=True)
 
 
 def test_other_is_the_time_outside_every_labelled_range(tiny_model_dir, monkeypatch):

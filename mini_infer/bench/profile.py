@@ -19,12 +19,16 @@ from mini_infer.engine.llm_engine import LLMEngine
 from mini_infer.kernels.autotune import describe_choices
 from mini_infer.sampling_params import RequestOutputKind, SamplingParams
 
-# Ranges the engine labels; "forward" encloses kv_write, attention, decoder_layers and lm_head, the rest are
-# disjoint. A decode-only step runs all its layers in one native call (decoder_layers: norms, matmuls, RoPE/KV
-# write, attention, SiLU); kv_write and attention are the layers run op by op (prefill, tensor parallel).
-_LABELS = ("scheduler", "input_prep", "forward", "kv_write", "attention", "decoder_layers", "lm_head", "sampling")
-ROWS = ("input preparation", "KV write", "attention", "decoder layers (one native call)", "rest of forward",
-        "LM head", "sampling", "scheduler / bookkeeping", "other")
+# Ranges the engine labels; "forward" encloses kv_write, attention, decoder_layers, moe_routing, experts and lm_head,
+# the rest are disjoint. A decode-only step runs all its layers in one native call (decoder_layers: norms, matmuls,
+# RoPE/KV write, attention, SiLU); kv_write and attention are the layers run op by op (prefill, tensor parallel, a
+# mixture of experts); moe_routing and experts a sparse layer's router (with the grouping of its tokens by expert)
+# and its experts' MLPs.
+_LABELS = ("scheduler", "input_prep", "forward", "kv_write", "attention", "decoder_layers", "moe_routing", "experts",
+           "lm_head", "sampling")
+_FORWARD_PARTS = ("kv_write", "attention", "decoder_layers", "moe_routing", "experts")
+ROWS = ("input preparation", "KV write", "attention", "decoder layers (one native call)", "MoE routing", "experts",
+        "rest of forward", "LM head", "sampling", "scheduler / bookkeeping", "other")
 SAMPLING = ("greedy", "model-defaults")
 OTHER = "other"  # the step time no labelled range covers: the remainder, not a measurement
 COLUMNS = (Column("component", "name"), Column("ms/step", "ms", "{:.3f}"), Column("% step", "percent", "{:.1f}%"))
@@ -207,9 +211,9 @@ def _label_totals_ms(events, steps: int) -> dict[str, float]:
 def _component_rows(label_ms: dict[str, float], step_ms: float) -> list[dict]:
     """The measured ranges (forward split into its labelled parts and the rest), then OTHER: the step time
     they leave uncovered."""
-    parts = ("kv_write", "attention", "decoder_layers")
-    forward_parts = sum(label_ms[label] for label in parts) + label_ms["lm_head"]
-    measured = (label_ms["input_prep"], *(label_ms[label] for label in parts), label_ms["forward"] - forward_parts,
+    forward_parts = sum(label_ms[label] for label in _FORWARD_PARTS) + label_ms["lm_head"]
+    measured = (label_ms["input_prep"], *(label_ms[label] for label in _FORWARD_PARTS),
+                label_ms["forward"] - forward_parts,
                 label_ms["lm_head"], label_ms["sampling"], label_ms["scheduler"])
     values = (*measured, step_ms - sum(measured))
     return [{"name": name, "ms": ms, "percent": 100 * ms / step_ms} for name, ms in zip(ROWS, values)]

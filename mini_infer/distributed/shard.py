@@ -43,6 +43,12 @@ class Shard:
     def num_layers(self) -> int:
         return self.layer_end - self.layer_start
 
+    def intermediate_slice(self, size: int) -> slice:
+        """This rank's slice of an MLP's intermediate dimension of `size` (a mixture's experts and shared expert are
+        split as the dense MLP is: EngineConfig checked that tp divides each)."""
+        per_rank = size // self.tp_size
+        return slice(self.tp_rank * per_rank, (self.tp_rank + 1) * per_rank)
+
 
 def make_shard(config: ModelConfig, tp_size: int = 1, tp_rank: int = 0, pp_size: int = 1, pp_rank: int = 0) -> Shard:
     """The shard of rank (tp_rank, pp_rank); EngineConfig has already checked that the sizes split the model."""

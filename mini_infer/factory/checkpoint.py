@@ -142,6 +142,57 @@ PRESETS["qwen3-embedding-tiny"] = {**PRESETS["qwen3-tiny"], "architectures": ["Q
 PRESETS["qwen3-reranker-tiny"] = {**PRESETS["qwen3-tiny"], "architectures": ["Qwen3ForSequenceClassification"],
                                   "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True}
 
+# Qwen3-MoE's config (Qwen3's attention; every layer a mixture of top-8 of 128 experts of 768, renormalised) at
+# qwen3-tiny's size: 8 experts, top 2.
+PRESETS["qwen3-moe-tiny"] = {
+    **PRESETS["qwen3-tiny"],
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "moe_intermediate_size": 32,
+    "norm_topk_prob": True,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "output_router_logits": False,
+    "router_aux_loss_coef": 0.001,
+}
+# Qwen3-30B-A3B's config: 48 layers of 32 query heads over 4 KV heads of 128, each token through 8 of 128 experts
+# (30.5B parameters, 3.3B of them read per token).
+PRESETS["qwen3-30b-a3b"] = {
+    **PRESETS["qwen3-moe-tiny"],
+    "head_dim": 128,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 48,
+    "moe_intermediate_size": 768,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "tie_word_embeddings": False,
+}
+# Qwen2-MoE's config (Qwen1.5-MoE-A2.7B: Qwen2's attention with its q/k/v biases, top-4 of 60 experts not
+# renormalised, a shared expert gated by a sigmoid, an untied head) at the tiny preset's size.
+PRESETS["qwen2-moe-tiny"] = {
+    **PRESETS["tiny"],
+    "architectures": ["Qwen2MoeForCausalLM"],
+    "model_type": "qwen2_moe",
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "moe_intermediate_size": 32,
+    "norm_topk_prob": False,
+    "num_experts": 6,
+    "num_experts_per_tok": 3,
+    "output_router_logits": False,
+    "qkv_bias": True,
+    "router_aux_loss_coef": 0.001,
+    "shared_expert_intermediate_size": 96,
+    "tie_word_embeddings": False,
+}
+
 # sentence-transformers' files of the embedding presets: file -> content (modules.json, the Pooling module's config).
 SENTENCE_TRANSFORMERS = {
     "modules.json": [
@@ -195,6 +246,8 @@ def _transformers5_layout(config: dict) -> dict:
         rope_type = scaling.get("rope_type", scaling.get("type"))
         converted["rope_parameters"] = {**scaling, "rope_type": rope_type, "rope_theta": config["rope_theta"]}
     converted["dtype"] = converted.pop("torch_dtype")
+    if config["model_type"] == "qwen3_moe":  # transformers 5 names Qwen3-MoE's expert count so
+        converted["num_local_experts"] = converted.pop("num_experts")
     if config["model_type"] in ("qwen2", "qwen3"):
         converted["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
         # transformers 5 drops the window size when sliding-window attention is off.
@@ -215,32 +268,50 @@ def write_config(out_dir: str | os.PathLike, config: dict, layout: str = "publis
     _write_json(Path(out_dir) / "config.json", dict(sorted(data.items())))
 
 
+def _mlp_shapes(config: dict, layer: int) -> dict[str, tuple[int, ...]]:
+    """Layer `layer`'s MLP tensors: the dense SwiGLU, or a sparse layer's router, experts (and Qwen2-MoE's shared
+    expert and its gate), each expert under its own names as the published checkpoints store them."""
+    hidden, prefix = config["hidden_size"], f"model.layers.{layer}.mlp"
+    sparse = "num_experts" in config and layer not in config["mlp_only_layers"] and (
+        (layer + 1) % config["decoder_sparse_step"] == 0)
+    if not sparse:
+        mlps = {prefix: config["intermediate_size"]}
+    else:
+        mlps = {f"{prefix}.experts.{e}": config["moe_intermediate_size"] for e in range(config["num_experts"])}
+        if config.get("shared_expert_intermediate_size"):
+            mlps[f"{prefix}.shared_expert"] = config["shared_expert_intermediate_size"]
+    shapes = {f"{prefix}.gate.weight": (config["num_experts"], hidden)} if sparse else {}
+    for name, inter in mlps.items():
+        shapes |= {f"{name}.gate_proj.weight": (inter, hidden), f"{name}.up_proj.weight": (inter, hidden),
+                   f"{name}.down_proj.weight": (hidden, inter)}
+    if sparse and config.get("shared_expert_intermediate_size"):
+        shapes[f"{prefix}.shared_expert_gate.weight"] = (1, hidden)
+    return shapes
+
+
 def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """HF tensor names and shapes of a Qwen2, Qwen3 or Llama causal LM with this (published-layout) config (q/k/v
-    biases: Qwen2's; q_norm / k_norm: Qwen3's); a base model's (architectures Qwen3Model, ...) without the LM head
-    and the "model." prefix, as HF saves one."""
+    """HF tensor names and shapes of a Qwen2, Qwen3, Llama, Qwen2-MoE or Qwen3-MoE causal LM with this
+    (published-layout) config (q/k/v biases: Qwen2's; q_norm / k_norm: Qwen3's); a base model's (architectures
+    Qwen3Model, ...) without the LM head and the "model." prefix, as HF saves one."""
     hidden = config["hidden_size"]
     head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
     q_size = config["num_attention_heads"] * head_dim
     kv_size = config["num_key_value_heads"] * head_dim
-    intermediate = config["intermediate_size"]
-    biased = config["model_type"] == "qwen2"
+    biased = config["model_type"] in ("qwen2", "qwen2_moe")
     shapes = {"model.embed_tokens.weight": (config["vocab_size"], hidden)}
     for i in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{i}"
         if biased:
             shapes |= {f"{prefix}.self_attn.{name}_proj.bias": (size,)
                        for name, size in (("q", q_size), ("k", kv_size), ("v", kv_size))}
-        if config["model_type"] == "qwen3":
+        if config["model_type"] in ("qwen3", "qwen3_moe"):
             shapes |= {f"{prefix}.self_attn.{name}_norm.weight": (head_dim,) for name in ("q", "k")}
         shapes |= {
             f"{prefix}.self_attn.q_proj.weight": (q_size, hidden),
             f"{prefix}.self_attn.k_proj.weight": (kv_size, hidden),
             f"{prefix}.self_attn.v_proj.weight": (kv_size, hidden),
             f"{prefix}.self_attn.o_proj.weight": (hidden, q_size),
-            f"{prefix}.mlp.gate_proj.weight": (intermediate, hidden),
-            f"{prefix}.mlp.up_proj.weight": (intermediate, hidden),
-            f"{prefix}.mlp.down_proj.weight": (hidden, intermediate),
+            **_mlp_shapes(config, i),
             f"{prefix}.input_layernorm.weight": (hidden,),
             f"{prefix}.post_attention_layernorm.weight": (hidden,),
         }
@@ -391,7 +462,7 @@ def make_model(
             for path in tokenizer_files:
                 shutil.copyfile(path, staging / path.name)
         else:  # Qwen3's tokenizer (its thinking template) for the qwen3 model type
-            write_tokenizer(staging, "qwen3" if config["model_type"] == "qwen3" else "qwen2.5")
+            write_tokenizer(staging, "qwen3" if config["model_type"].startswith("qwen3") else "qwen2.5")
         staging.chmod(0o755)  # mkdtemp creates it owner-only
         _rename_into_place(staging, out_dir)
     except BaseException:

@@ -1,11 +1,12 @@
 """A GGUF file's tensors into our network (the file's directory and config: mini_infer/gguf_file.py).
 
 llama.cpp's names map onto HF's (token_embd -> model.embed_tokens, blk.N.attn_q -> model.layers.N.self_attn.q_proj,
-...), and then load as a safetensors checkpoint's do (model/weight_map.py: the fused q/k/v and gate/up, a tensor- or
-pipeline-parallel rank's part only, every tensor of its exact shape and exactly once). A GGUF lists a 2-D tensor's
-dimensions innermost first ([in_features, out_features]); its data is the row-major [out_features, in_features].
-convert_hf_to_gguf.py permutes the rows of a Llama model's q and k projections (each head's two rotary halves
-interleaved, as llama.cpp's RoPE takes them); they are put back here.
+...; a MoE layer's experts, stacked in 3-D tensors there, one by one to mlp.experts.E), and then load as a safetensors
+checkpoint's do (model/weight_map.py: the fused q/k/v and gate/up, a tensor- or pipeline-parallel rank's part only,
+every tensor of its exact shape and exactly once). A GGUF lists a 2-D tensor's dimensions innermost first
+([in_features, out_features]); its data is the row-major [out_features, in_features]. convert_hf_to_gguf.py permutes
+the rows of a Llama model's q and k projections (each head's two rotary halves interleaved, as llama.cpp's RoPE takes
+them); they are put back here.
 
 Q8_0 (34-byte blocks: a float16 scale d and 32 int8 values q, w = d q) and Q4_0 (18 bytes: d and 16 bytes of 4-bit q,
 the block's first 16 values in the low nibbles and the next 16 in the high ones, w = d (q - 8)) are mini-infer's int8
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 
 from mini_infer.config import ModelConfig
-from mini_infer.gguf_file import GROUP, QUANTIZED_TYPES, GGUFHeader
+from mini_infer.gguf_file import GROUP, QUANTIZED_TYPES, GGUFHeader, Tensor
 from mini_infer.kernels.quant import QuantizedTensor
 from mini_infer.model import prequantized, weight_map
 from mini_infer.model.qwen2 import Qwen2ForCausalLM
@@ -35,7 +36,10 @@ _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight
 _LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
           "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
           "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-          "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+          "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_gate_inp": "mlp.gate",
+          "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+          "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
+_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}  # 3-D: [E, out, in]
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _BLOCK_BYTES = {"Q8_0": 2 + GROUP, "Q4_0": 2 + GROUP // 2}
 
@@ -48,6 +52,22 @@ def hf_name(name: str) -> str | None:
     if match is None or match[2] not in _LAYER:
         return None
     return f"model.layers.{match[1]}.{_LAYER[match[2]]}.{match[3]}"
+
+
+def named_tensors(header: GGUFHeader):
+    """(HF checkpoint name or None, tensor) of each tensor of the file, a MoE layer's 3-D expert tensors split into
+    one 2-D tensor per expert (its bytes a slice of the file's)."""
+    for tensor in header.tensors:
+        match = _BLOCK.fullmatch(tensor.name)
+        if match is None or match[2] not in _EXPERTS or len(tensor.shape) != 3:
+            yield hf_name(tensor.name), tensor
+            continue
+        experts = int(tensor.shape[2])
+        size = len(tensor.bytes) // experts
+        for e in range(experts):
+            yield (f"model.layers.{match[1]}.mlp.experts.{e}.{_EXPERTS[match[2]]}.weight",
+                   Tensor(f"{tensor.name}[{e}]", tensor.tensor_type, tensor.shape[:2],
+                          tensor.bytes[e * size:(e + 1) * size]))
 
 
 def dequantize(q: QuantizedTensor) -> torch.Tensor:
@@ -110,14 +130,15 @@ def load_gguf_weights(model: Qwen2ForCausalLM, config: ModelConfig, file: Path) 
     held: dict[str, QuantizedTensor] = {}  # quantised projections (without .weight) this rank holds
     head: QuantizedTensor | None = None
     loaded: set[str] = set()
-    for tensor in GGUFHeader(file).tensors:
+    for name, tensor in named_tensors(GGUFHeader(file)):
         if tensor.name == "rope_freqs.weight":
             continue  # in the config (gguf_file.py: rope_freq_factors)
-        name = hf_name(tensor.name)
         if name is None or name not in shapes:
             raise ValueError(f"{file}: unexpected tensor {tensor.name!r} for a {config.architecture} model of this "
                              "config")
         shape = tuple(int(n) for n in reversed(tensor.shape))
+        if name.endswith("shared_expert_gate.weight") and len(shape) == 1:  # llama.cpp's vector, HF's one row
+            shape = (1, *shape)
         if shape != shapes[name]:
             raise ValueError(f"{file}: tensor {tensor.name!r} ({name}) has shape {shape}, expected {shapes[name]}")
         loaded.add(name)
@@ -138,7 +159,7 @@ def load_gguf_weights(model: Qwen2ForCausalLM, config: ModelConfig, file: Path) 
         if is_quantized:  # (a tied head's embedding: the head's integers and scales, expanded)
             value = dequantize(head if lm_head and head is not None else quantized(tensor))
         else:
-            value = _float(tensor)
+            value = _float(tensor).reshape(shape)
         if name in permuted:
             value = _unpermute(value, permuted[name])
         for target in targets[name]:

@@ -1,6 +1,7 @@
-"""The decoder-only network of Qwen2 (Qwen2.5), Qwen3 (dense) and Llama (3, 3.1, 3.2): fused QKV (with a bias where
-the config has one: Qwen2's; the others' are zero), Qwen3's RMSNorm on each head of q and k, GQA over the paged KV
-cache, SwiGLU MLP with fused gate/up, RMSNorm, RoPE (plain or Llama 3.1's scaled frequencies), tied or untied LM head.
+"""The decoder-only network of Qwen2 (Qwen2.5), Qwen3 and Llama (3, 3.1, 3.2), and of Qwen2-MoE and Qwen3-MoE: fused
+QKV (with a bias where the config has one: Qwen2's; the others' are zero), Qwen3's RMSNorm on each head of q and k,
+GQA over the paged KV cache, SwiGLU MLP with fused gate/up (in a MoE's sparse layers a mixture of such experts:
+model/moe.py), RMSNorm, RoPE (plain or Llama 3.1's scaled frequencies), tied or untied LM head.
 One class serves them all (config.SUPPORTED_ARCHITECTURES): they differ only in those switches.
 
 Built for one Shard (mini_infer.distributed.shard): a single process holds the whole network; a tensor-parallel
@@ -20,6 +21,7 @@ from mini_infer.distributed.shard import Shard
 from mini_infer.kernels.decoder import DecoderStack, LayerTensors
 from mini_infer.model.attention import AttentionMetadata
 from mini_infer.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, empty_parameter
+from mini_infer.model.moe import SparseMoeBlock, swiglu_mlps
 from mini_infer.model.ops import Ops
 from mini_infer.profiling import profiled
 
@@ -53,15 +55,23 @@ class Qwen2Attention(nn.Module):
 
 
 class Qwen2DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, shard: Shard, comm: Comm, ops: Ops, *, dtype: torch.dtype,
+    def __init__(self, config: ModelConfig, shard: Shard, comm: Comm, ops: Ops, index: int, *, dtype: torch.dtype,
                  device) -> None:
+        """index: the layer's place in the whole model (a sparse layer's MLP is a mixture of experts)."""
         super().__init__()
         factory = dict(dtype=dtype, device=device)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
         self.self_attn = Qwen2Attention(config, shard, comm, ops, **factory)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-        self.mlp = SwiGLUMLP(config.hidden_size, shard.intermediate_size, ops.linear, comm.all_reduce,
-                             ops.silu_and_mul, **factory)
+        if config.sparse(index):
+            moe = config.moe
+            sizes = (moe.intermediate_size, moe.shared_expert_intermediate_size)
+            experts, shared = (size // shard.tp_size for size in sizes)
+            self.mlp = SparseMoeBlock(moe, config.hidden_size, experts, shared, ops.linear, comm.all_reduce,
+                                      ops.silu_and_mul, **factory)
+        else:
+            self.mlp = SwiGLUMLP(config.hidden_size, shard.intermediate_size, ops.linear, comm.all_reduce,
+                                 ops.silu_and_mul, **factory)
         self.ops = ops
 
     def forward(self, x, residual, positions, rotary, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,8 +94,8 @@ class Qwen2ForCausalLM(nn.Module):
         factory = dict(dtype=dtype, device=device)
         vocab_rows = (shard.vocab_shard_size, config.hidden_size)
         self.embed_tokens = empty_parameter(*vocab_rows, **factory) if shard.first_stage else None
-        self.layers = nn.ModuleList(Qwen2DecoderLayer(config, shard, comm, ops, **factory)
-                                    for _ in range(shard.num_layers))
+        self.layers = nn.ModuleList(Qwen2DecoderLayer(config, shard, comm, ops, index, **factory)
+                                    for index in range(shard.layer_start, shard.layer_end))
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, max_positions, **factory,
                                       scaling=config.rope_scaling, freq_factors=config.rope_freq_factors)
         self.norm = self.lm_head = None
@@ -100,8 +110,8 @@ class Qwen2ForCausalLM(nn.Module):
         """(module, attribute) of every matmul weight: the projections of each layer and the LM head."""
         pairs: list[tuple[nn.Module, str]] = []
         for layer in self.layers:
-            pairs += [(layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"), (layer.mlp, "gate_up_proj"),
-                      (layer.mlp, "down_proj")]
+            pairs += [(layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj")]
+            pairs += [(mlp, name) for mlp in swiglu_mlps(layer.mlp) for name in ("gate_up_proj", "down_proj")]
         return pairs + ([(self, "lm_head")] if self.lm_head is not None else [])
 
     def _decoder_stack(self, num_tokens: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -109,9 +119,10 @@ class Qwen2ForCausalLM(nn.Module):
         """All the layers in one native call (kernels/decoder.py) for a step where every request decodes one token
         (or every token has a row of its own: meta.token_rows) and every matmul of that batch size runs natively;
         None where the layers run one op at a time (prefill, torch's matmul, tensor parallel: there the projections'
-        partial sums meet between the kernels)."""
+        partial sums meet between the kernels; a mixture of experts)."""
         rows = meta.token_rows[1].shape[0] if meta.token_rows is not None else meta.num_reqs
         if (not self.ops.runs("decode_layers") or not self.layers or self.shard.tp_size > 1
+                or self.config.moe is not None
                 or (meta.token_rows is None and meta.num_decodes != meta.num_reqs) or num_tokens != rows):
             return None
         first = self.layers[0]

@@ -12,6 +12,7 @@ from torch import nn
 from mini_infer.config import ModelConfig
 from mini_infer.distributed.shard import Shard
 from mini_infer.model import prequantized
+from mini_infer.model.moe import swiglu_mlps
 from mini_infer.model.qwen2 import Qwen2ForCausalLM
 
 
@@ -25,16 +26,41 @@ class Target:
     cols: slice = field(default_factory=lambda: slice(None))
 
 
+def mlps(config: ModelConfig, layer: int) -> dict[str, int]:
+    """Layer `layer`'s SwiGLU MLPs in the checkpoint (name prefix -> intermediate size): the dense one, or a sparse
+    layer's experts and shared expert (in moe.swiglu_mlps' order)."""
+    p = f"model.layers.{layer}.mlp"
+    if not config.sparse(layer):
+        return {p: config.intermediate_size}
+    moe = config.moe
+    found = {f"{p}.experts.{e}": moe.intermediate_size for e in range(moe.num_experts)}
+    return found | ({f"{p}.shared_expert": moe.shared_expert_intermediate_size}
+                    if moe.shared_expert_intermediate_size else {})
+
+
 def projections(config: ModelConfig, layer: int) -> dict[str, tuple[int, int]]:
-    """Layer `layer`'s projections in the checkpoint (name without .weight -> [out_features, in_features])."""
-    hidden, inter = config.hidden_size, config.intermediate_size
+    """Layer `layer`'s projections in the checkpoint (name without .weight -> [out_features, in_features]); not a
+    sparse layer's router and shared-expert gate (router_shapes), which stay in the model's dtype."""
+    hidden = config.hidden_size
     q_size = config.num_attention_heads * config.head_dim
     kv_size = config.num_key_value_heads * config.head_dim
     p = f"model.layers.{layer}."
-    return {f"{p}self_attn.q_proj": (q_size, hidden), f"{p}self_attn.k_proj": (kv_size, hidden),
-            f"{p}self_attn.v_proj": (kv_size, hidden), f"{p}self_attn.o_proj": (hidden, q_size),
-            f"{p}mlp.gate_proj": (inter, hidden), f"{p}mlp.up_proj": (inter, hidden),
-            f"{p}mlp.down_proj": (hidden, inter)}
+    found = {f"{p}self_attn.q_proj": (q_size, hidden), f"{p}self_attn.k_proj": (kv_size, hidden),
+             f"{p}self_attn.v_proj": (kv_size, hidden), f"{p}self_attn.o_proj": (hidden, q_size)}
+    for mlp, inter in mlps(config, layer).items():
+        found |= {f"{mlp}.gate_proj": (inter, hidden), f"{mlp}.up_proj": (inter, hidden),
+                  f"{mlp}.down_proj": (hidden, inter)}
+    return found
+
+
+def router_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, int]]:
+    """A sparse layer's router and (Qwen2-MoE) shared-expert gate (full names -> shape); none for a dense layer."""
+    if not config.sparse(layer):
+        return {}
+    p, hidden = f"model.layers.{layer}.mlp.", config.hidden_size
+    found = {f"{p}gate.weight": (config.moe.num_experts, hidden)}
+    return found | ({f"{p}shared_expert_gate.weight": (1, hidden)} if config.moe.shared_expert_intermediate_size
+                    else {})
 
 
 def expected_shapes(config: ModelConfig, lm_head: bool) -> dict[str, tuple[int, ...]]:
@@ -55,6 +81,7 @@ def expected_shapes(config: ModelConfig, lm_head: bool) -> dict[str, tuple[int, 
             shapes.update({f"{name}.{suffix}": shape for suffix, (shape, _) in packed.items()})
         for name in ("q", "k", "v") if config.attention_bias else ():
             shapes[f"{p}self_attn.{name}_proj.bias"] = (layer[f"{p}self_attn.{name}_proj"][0],)
+        shapes |= router_shapes(config, i)
         shapes[f"{p}input_layernorm.weight"] = shapes[f"{p}post_attention_layernorm.weight"] = (hidden,)
         if config.qk_norm:
             shapes[f"{p}self_attn.q_norm.weight"] = shapes[f"{p}self_attn.k_norm.weight"] = (config.head_dim,)
@@ -74,12 +101,13 @@ def quantized_linears(model: Qwen2ForCausalLM, config: ModelConfig,
     linears = []
     for i, layer in enumerate(model.layers, start=shard.layer_start):
         p, proj = f"model.layers.{i}.", projections(config, i)
-        for module, attr, names in ((layer.self_attn, "qkv_proj", ("self_attn.q_proj", "self_attn.k_proj",
-                                                                   "self_attn.v_proj")),
-                                    (layer.self_attn, "o_proj", ("self_attn.o_proj",)),
-                                    (layer.mlp, "gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
-                                    (layer.mlp, "down_proj", ("mlp.down_proj",))):
-            linears.append((module, attr, [(p + name, *proj[p + name]) for name in names]))
+        parts = [(layer.self_attn, "qkv_proj", (f"{p}self_attn.q_proj", f"{p}self_attn.k_proj",
+                                                f"{p}self_attn.v_proj")),
+                 (layer.self_attn, "o_proj", (f"{p}self_attn.o_proj",))]
+        for module, name in zip(swiglu_mlps(layer.mlp), mlps(config, i)):
+            parts += [(module, "gate_up_proj", (f"{name}.gate_proj", f"{name}.up_proj")),
+                      (module, "down_proj", (f"{name}.down_proj",))]
+        linears += [(module, attr, [(name, *proj[name]) for name in names]) for module, attr, names in parts]
     return linears
 
 
@@ -87,10 +115,8 @@ def targets(model: Qwen2ForCausalLM, config: ModelConfig, shard: Shard) -> dict[
     """Where each checkpoint tensor this rank holds goes (a tied embedding may feed two parameters)."""
     d = config.head_dim
     q_local, kv_local = shard.num_heads * d, shard.num_kv_heads * d
-    inter = shard.intermediate_size
     heads = slice(shard.head_start * d, shard.head_start * d + q_local)
     kv_heads = slice(shard.kv_head_start * d, shard.kv_head_start * d + kv_local)
-    mlp = slice(shard.intermediate_start, shard.intermediate_start + inter)
     vocab = slice(shard.vocab_start, shard.vocab_end)
     targets: dict[str, list[Target]] = {}
     if shard.first_stage:
@@ -102,7 +128,7 @@ def targets(model: Qwen2ForCausalLM, config: ModelConfig, shard: Shard) -> dict[
             targets.setdefault(head_source, []).append(Target(model.lm_head, 0, vocab))
     for i, layer in enumerate(model.layers, start=shard.layer_start):
         p = f"model.layers.{i}."
-        attn, mlp_module = layer.self_attn, layer.mlp
+        attn = layer.self_attn
         for name, start, rows in (("q", 0, heads), ("k", q_local, kv_heads), ("v", q_local + kv_local, kv_heads)):
             if config.attention_bias:
                 targets[f"{p}self_attn.{name}_proj.bias"] = [Target(attn.qkv_bias, start, rows)]
@@ -110,9 +136,15 @@ def targets(model: Qwen2ForCausalLM, config: ModelConfig, shard: Shard) -> dict[
                 targets[f"{p}self_attn.{name}_proj.weight"] = [Target(attn.qkv_proj, start, rows)]
         if config.quantization is None:
             targets[f"{p}self_attn.o_proj.weight"] = [Target(attn.o_proj, 0, cols=heads)]
-            targets[f"{p}mlp.gate_proj.weight"] = [Target(mlp_module.gate_up_proj, 0, mlp)]
-            targets[f"{p}mlp.up_proj.weight"] = [Target(mlp_module.gate_up_proj, inter, mlp)]
-            targets[f"{p}mlp.down_proj.weight"] = [Target(mlp_module.down_proj, 0, cols=mlp)]
+            for module, (name, size) in zip(swiglu_mlps(layer.mlp), mlps(config, i).items()):
+                columns, local = shard.intermediate_slice(size), size // shard.tp_size
+                targets[f"{name}.gate_proj.weight"] = [Target(module.gate_up_proj, 0, columns)]
+                targets[f"{name}.up_proj.weight"] = [Target(module.gate_up_proj, local, columns)]
+                targets[f"{name}.down_proj.weight"] = [Target(module.down_proj, 0, cols=columns)]
+        if config.sparse(i):  # the router and the shared expert's gate: whole on every tensor rank
+            targets[f"{p}mlp.gate.weight"] = [Target(layer.mlp.gate, 0)]
+            if layer.mlp.shared_expert_gate is not None:
+                targets[f"{p}mlp.shared_expert_gate.weight"] = [Target(layer.mlp.shared_expert_gate, 0)]
         targets[f"{p}input_layernorm.weight"] = [Target(layer.input_layernorm.weight, 0)]
         targets[f"{p}post_attention_layernorm.weight"] = [Target(layer.post_attention_layernorm.weight, 0)]
         if config.qk_norm:  # over head_dim: every tensor rank holds all of it

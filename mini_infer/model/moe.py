@@ -1,0 +1,81 @@
+"""The mixture-of-experts MLP of Qwen2-MoE and Qwen3-MoE (config.MoeConfig): a router, experts that are SwiGLU MLPs
+of their own, and Qwen2-MoE's gated shared expert.
+
+Each step routes every token to its top_k experts, groups the (token, expert) pairs by expert and runs each expert
+that has tokens once, on all of its rows: an expert's weights are read once per step however many tokens it has,
+and experts without tokens are not read at all. Each expert's projections are linear weights like any other (the
+engine's kernels, quantisation and autotuning apply to them). Under tensor parallel each rank holds a slice of
+every expert's (and the shared expert's) intermediate dimension and the router whole, so routing is the same on
+every rank and one all-reduce sums the ranks' partial outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mini_infer.config import MoeConfig
+from mini_infer.model.layers import SwiGLUMLP, empty_parameter
+from mini_infer.profiling import profiled
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, moe: MoeConfig, hidden_size: int, intermediate_size: int, shared_intermediate_size: int,
+                 linear: Callable, reduce: Callable, activation: Callable, *, dtype: torch.dtype, device) -> None:
+        """intermediate_size / shared_intermediate_size: this rank's slice of each expert's / the shared expert's."""
+        super().__init__()
+        factory = dict(dtype=dtype, device=device)
+        self.top_k, self.norm_topk_prob, self.reduce = moe.top_k, moe.norm_topk_prob, reduce
+        self.gate = empty_parameter(moe.num_experts, hidden_size, **factory)  # the router, kept in the model's dtype
+        # Each expert a SwiGLU MLP whose partial sum the block reduces once for all of them.
+        self.experts = nn.ModuleList(SwiGLUMLP(hidden_size, intermediate_size, linear, _identity, activation,
+                                               **factory) for _ in range(moe.num_experts))
+        self.shared_expert = self.shared_expert_gate = None
+        if shared_intermediate_size:
+            self.shared_expert = SwiGLUMLP(hidden_size, shared_intermediate_size, linear, _identity, activation,
+                                           **factory)
+            self.shared_expert_gate = empty_parameter(1, hidden_size, **factory)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (each token's top_k experts [T, k], their weights [T, k] in x's dtype): the router's
+        softmax in float32 whatever the model's dtype, renormalised over the top_k where the config says so, as
+        the reference computes it."""
+        probs = F.linear(x, self.gate).softmax(dim=-1, dtype=torch.float32)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with profiled("moe_routing"):
+            experts, weights = self.route(x)
+            # (token, expert) pairs grouped by expert, in token order within each group.
+            order = experts.flatten().argsort(stable=True)
+            tokens = order // self.top_k
+            pair_weights = weights.flatten()[order, None]
+            counts = torch.bincount(experts.flatten(), minlength=len(self.experts)).tolist()  # one host read a layer
+        out = torch.zeros_like(x)
+        start = 0
+        with profiled("experts"):
+            for expert, count in zip(self.experts, counts):
+                if count:  # experts in index order, each on all of its tokens at once
+                    rows = tokens[start:start + count]
+                    out.index_add_(0, rows, expert(x[rows]) * pair_weights[start:start + count])
+                    start += count
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
+        return self.reduce(out)
+
+
+def swiglu_mlps(mlp: SwiGLUMLP | SparseMoeBlock) -> list[SwiGLUMLP]:
+    """A layer's SwiGLU MLPs: the dense one, or a mixture's experts in index order and its shared expert."""
+    if isinstance(mlp, SparseMoeBlock):
+        return [*mlp.experts, *([mlp.shared_expert] if mlp.shared_expert is not None else [])]
+    return [mlp]
