@@ -107,14 +107,19 @@ def test_speculative_verify_steps_equal_hf(reference):
     assert llm.engine.stats().spec_decode.num_accepted_tokens > 0
 
 
-@pytest.mark.parametrize("architecture, extra", [("qwen3", dict(head_dim=32)), ("llama", {})])
+@pytest.mark.parametrize("architecture, extra", [
+    ("qwen3", dict(head_dim=32)), ("llama", {}),
+    ("qwen3_moe", dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))])
 def test_qwen3_and_llama_equal_hf(architecture, extra, tmp_path):
-    """Qwen3's per-head q/k norms in the fused RoPE + KV store kernel; Llama without a QKV bias."""
+    """Qwen3's per-head q/k norms in the fused RoPE + KV store kernel; Llama without a QKV bias; a mixture of experts
+    (its steps eager: it reads its routing on the host)."""
     model = build_hf_model(seed=5, architecture=architecture, **extra)
     path = save_hf_model(model, tmp_path / architecture)
     rng = random.Random(5)
     prompts = [[rng.randrange(1000) for _ in range(n)] for n in (1, 7, MAX_PROMPT)]
-    assert generate(engine(path), prompts) == [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
+    llm = engine(path)
+    assert generate(llm, prompts) == [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
+    assert (llm.engine.runner.graphs is None) == architecture.endswith("moe")
 
 
 @pytest.mark.skipif(not ON_GPU, reason="bf16 runs on a CUDA device (the interpreter's bf16 arithmetic is not a GPU's)")

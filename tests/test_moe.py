@@ -92,12 +92,14 @@ def test_float32_prefill_logits_match_hf(moe, kernels):
     torch.testing.assert_close(prefill_logits(engine, prompts[4]).double().cpu(), theirs, rtol=1e-3, atol=1e-3)
 
 
-def test_each_expert_runs_once_a_step_on_all_its_tokens(moe, monkeypatch):
-    """The (token, expert) pairs grouped by expert: in one forward of a mixed batch every expert some token picked
-    runs exactly once per sparse layer, on exactly the tokens that picked it; the others never run."""
+@pytest.mark.parametrize("dtype, quantization", [("float64", None), ("float32", "int8")])
+def test_each_expert_runs_once_a_step_on_all_its_tokens(moe, monkeypatch, dtype, quantization):
+    """The (token, expert) pairs grouped by expert: in one forward of a mixed batch each projection of every expert
+    some token picked is multiplied exactly once per sparse layer, on exactly the tokens that picked it; the others
+    never. float64 runs the experts one by one; int8 weights all of a layer's experts in one grouped call."""
     path, _, prompts, _ = moe
-    engine = LLMEngine.from_args(str(path), dtype="float64", device=DEVICE)
-    calls, picked = [], Counter()
+    engine = LLMEngine.from_args(str(path), dtype=dtype, quantization=quantization, device=DEVICE)
+    calls, picked, grouped_calls = [], Counter(), []
     route = SparseMoeBlock.route
 
     def counting_route(self, x):
@@ -109,15 +111,28 @@ def test_each_expert_runs_once_a_step_on_all_its_tokens(moe, monkeypatch):
     blocks = [layer.mlp for layer in engine.runner.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
     assert blocks
     for block in blocks:
-        for index, expert in enumerate(block.experts):
-            expert.register_forward_hook(
-                lambda module, args, out, key=(id(block), index): calls.append((key, args[0].shape[0])))
+        owner = {id(getattr(expert, name)): (id(block), index, name) for index, expert in enumerate(block.experts)
+                 for name in ("gate_up_proj", "down_proj")}
+
+        def linear(x, weight, bias=None, owner=owner, inner=block.linear):
+            calls.append((owner[id(weight)], x.shape[0]))
+            return inner(x, weight, bias)
+
+        def grouped(x, weights, offsets, owner=owner, inner=block.grouped_linear):
+            out = inner(x, weights, offsets)
+            if out is not None:
+                grouped_calls.append(len(weights))
+                calls.extend((owner[id(w)], b - a) for w, a, b in zip(weights, offsets, offsets[1:]))
+            return out
+
+        block.linear, block.grouped_linear = linear, grouped
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, GREEDY)
-    step = engine.runner.prepare(engine.scheduler.schedule())
-    engine.runner.forward(step)
-    assert sorted(key for key, _ in calls) == sorted(picked)  # once each, and only those picked
-    assert dict(calls) == dict(picked)  # on as many rows as tokens picked it
+    engine.runner.forward(engine.runner.prepare(engine.scheduler.schedule()))
+    expected = sorted((block, expert, name) for block, expert in picked for name in ("gate_up_proj", "down_proj"))
+    assert sorted(key for key, _ in calls) == expected  # once each, and only those picked
+    assert all(rows == picked[key[:2]] for key, rows in calls)  # on as many rows as tokens picked it
+    assert len(grouped_calls) == (2 * len(blocks) if quantization else 0)
 
 
 def test_greedy_batch_equals_hf_alone(moe):

@@ -131,6 +131,34 @@ def test_kernel_rows_are_independent_of_the_batch(path):
             assert torch.equal(quant.quant_linear(x[rows], packed, None, path), together[rows])
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("method", KERNEL_SCHEMES)
+def test_grouped_kernel_gives_each_weights_rows_as_its_own_call(path, method):
+    """quant_linear_grouped (a mixture's experts in one call): each weight's rows come out bit for bit as
+    quant_linear gives them, whatever the groups' sizes (1 to 9 rows, an empty one, panels shared unevenly among
+    the threads), in float32 and bfloat16."""
+    skip_unless_runs(path)
+    gen = torch.Generator().manual_seed(11)
+    for dtype in (torch.float32, torch.bfloat16):
+        weights = [quant.pack_panels(quantized(torch.randn(70, 100, generator=gen), method, dtype)) for _ in range(5)]
+        offsets = [0, 1, 4, 4, 13, 15]  # rows 1, 3, 0, 9, 2
+        x = torch.randn(offsets[-1], 100, generator=gen).to(dtype)
+        out = quant.quant_linear_grouped(x, weights, offsets, path)
+        for weight, a, b in zip(weights, offsets, offsets[1:]):
+            if b > a:
+                assert torch.equal(out[a:b], quant.quant_linear(x[a:b], weight, None, path))
+
+
+def test_grouped_kernel_refuses_weights_unlike_the_first():
+    gen = torch.Generator().manual_seed(12)
+    int8, int4 = (quant.pack_panels(quantized(torch.randn(70, 100, generator=gen), m, torch.float32))
+                  for m in ("int8", "int4"))
+    with pytest.raises(ValueError, match="does not match 2 weights like int8 70 x 100"):
+        quant.quant_linear_grouped(torch.randn(3, 100), [int8, int4], [0, 1, 3])
+    with pytest.raises(ValueError, match="offsets"):
+        quant.quant_linear_grouped(torch.randn(3, 100), [int8, int8], [0, 1, 2])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_torch_int4_matmul_computes_the_same_weights(dtype):
     gen = torch.Generator().manual_seed(5)

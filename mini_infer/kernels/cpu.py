@@ -36,6 +36,9 @@ _P, _I, _F, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
 # gemm_quant(x, x_dtype, perm, panels, zeros, scale_dtype, bits, group, bias, bias_dtype, out, out_dtype, M, N, K,
 # prefetch, threads)
 _QUANT_ARGS = [_P, _I, _P, _P] + [_I] * 4 + [_P, _I, _P] + [_I] * 6
+# gemm_quant_grouped(x, x_dtype, panels (pointers), zeros, scale_dtype, bits, group, out, out_dtype, offsets, count,
+# N, K, prefetch, threads)
+_GROUPED_ARGS = [_P, _I, _P] + [_I] * 4 + [_P, _I, _P] + [_I] * 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +75,15 @@ _KERNELS = {
     "gemm_quant_vnni": _Kernel("cpu_gemm_quant.cpp", "gemm_quant", _QUANT_ARGS, _I,
                                [*_AVX512, "-mavx512vnni", "-DQUANT_AVX512=1", "-DQUANT_VNNI=1"],
                                ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni")),
+    # The same three builds' grouped matmul: several weights, each on its rows of x, in one call (kernels/quant.py).
+    "gemm_quant_grouped": _Kernel("cpu_gemm_quant.cpp", "gemm_quant_grouped", _GROUPED_ARGS, _I,
+                                  [*_AVX2, "-DQUANT_AVX512=0"], ("avx2", "fma")),
+    "gemm_quant_grouped_avx512": _Kernel("cpu_gemm_quant.cpp", "gemm_quant_grouped", _GROUPED_ARGS, _I,
+                                         [*_AVX512, "-DQUANT_AVX512=1", "-DQUANT_VNNI=0"],
+                                         ("avx2", "fma", "avx512f", "avx512bw", "avx512vl")),
+    "gemm_quant_grouped_vnni": _Kernel("cpu_gemm_quant.cpp", "gemm_quant_grouped", _GROUPED_ARGS, _I,
+                                       [*_AVX512, "-mavx512vnni", "-DQUANT_AVX512=1", "-DQUANT_VNNI=1"],
+                                       ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni")),
     "paged_decode_attention": _Kernel("cpu_attention.cpp", "paged_decode_attention",
                                       [_P] * 6 + [_I] * 8 + [ctypes.c_int64, _F, _I], _I, _AVX2, ("avx2", "fma")),
     "paged_prefill_attention": _Kernel("cpu_attention.cpp", "paged_prefill_attention",

@@ -27,6 +27,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <initializer_list>
 #include <vector>
 
 #include "bf16.h"
@@ -326,59 +327,58 @@ inline void panel_rest(const Problem& p, int panel0, int count, const uint8_t* l
     }
 }
 
-// Each thread an even share of the panels: groups of NP, then one narrower group.
+// Panels [begin, end) of p: groups of NP, then one narrower group (a thread's share).
 template <int BITS, int MR, int NP, int PF>
-void run_groups(const Problem& p, int threads) {
-    const int panels = (p.N + PANEL - 1) / PANEL;
-#pragma omp parallel num_threads(threads)
-    {
-        const int workers = omp_get_num_threads(), id = omp_get_thread_num();
-        const int begin = static_cast<int>(static_cast<int64_t>(panels) * id / workers);
-        const int end = static_cast<int>(static_cast<int64_t>(panels) * (id + 1) / workers);
-        const uint8_t* limit = p.panels + end * p.layout.bytes;
-        int q = begin;
-        for (; q + NP <= end; q += NP) panel_group<BITS, MR, NP, PF>(p, q, limit);
-        if (q < end) panel_rest<BITS, MR, NP, PF>(p, q, end - q, limit);
-    }
+void share(const Problem& p, int begin, int end) {
+    const uint8_t* limit = p.panels + end * p.layout.bytes;
+    int q = begin;
+    for (; q + NP <= end; q += NP) panel_group<BITS, MR, NP, PF>(p, q, limit);
+    if (q < end) panel_rest<BITS, MR, NP, PF>(p, q, end - q, limit);
 }
 
 // One row: more panels per tile (independent chains, each weight vector used once); more rows: MR x NP tiles that
 // keep MR * NP * L float accumulators and as many integer group sums in the vector registers.
 template <int BITS, int PF>
-void run(const Problem& p, int threads) {
+void share_rows(const Problem& p, int begin, int end) {
 #if QUANT_AVX512
-    if (p.M == 1) run_groups<BITS, 1, 8, PF>(p, threads);
-    else if (p.M == 2) run_groups<BITS, 2, 4, PF>(p, threads);
-    else run_groups<BITS, 4, 2, PF>(p, threads);
+    if (p.M == 1) share<BITS, 1, 8, PF>(p, begin, end);
+    else if (p.M == 2) share<BITS, 2, 4, PF>(p, begin, end);
+    else share<BITS, 4, 2, PF>(p, begin, end);
 #else
-    if (p.M == 1) run_groups<BITS, 1, 4, PF>(p, threads);  // 4 panels: int8 0.78 -> 0.84 of bf16's rate on a Zen 3
+    if (p.M == 1) share<BITS, 1, 4, PF>(p, begin, end);  // 4 panels: int8 0.78 -> 0.84 of bf16's rate on a Zen 3
     // 4-row tiles, the rest in one tile of 1-3 rows (the float accumulators spill; each is touched once a group): on
     // that Zen 3, the 0.5B shape's projections at 8 rows ran 1.23x (int8) and 1.21x (int4) as fast as with 2-row
     // tiles, at 32 rows 1.07x and 1.21x, at 3 rows (one tile, not 2 + 1) 1.17x and 1.15x.
-    else run_groups<BITS, 4, 1, PF>(p, threads);
+    else share<BITS, 4, 1, PF>(p, begin, end);
 #endif
 }
 
-}  // namespace
+// Each thread an even share of the panels.
+template <int BITS, int PF>
+void run(const Problem& p, int threads) {
+    const int panels = (p.N + PANEL - 1) / PANEL;
+#pragma omp parallel num_threads(threads)
+    {
+        const int workers = omp_get_num_threads(), id = omp_get_thread_num();
+        share_rows<BITS, PF>(p, static_cast<int>(static_cast<int64_t>(panels) * id / workers),
+                             static_cast<int>(static_cast<int64_t>(panels) * (id + 1) / workers));
+    }
+}
 
-// x [M, K] float32 or bfloat16, read as x[:, perm] where perm (int32 [K], a permutation of 0..K-1: a GPTQ
-// checkpoint's act-order columns) is not null; panels as above (zeros: whether they hold zero points, int4 only);
-// bits 8 or 4; group G (a multiple of 8, at most 512) divides Kp = K rounded up to a multiple of G. Returns 0, or 1
-// (nothing written) where bits, G or the dtypes are out of range.
-extern "C" int gemm_quant(const void* x, int x_dtype, const int32_t* perm, const void* panels, int zeros,
-                          int scale_dtype, int bits, int G, const void* bias, int bias_dtype, void* out, int out_dtype,
-                          int M, int N, int K, int prefetch_mode, int threads) {
-    if ((bits != INT8 && bits != INT4) || G < 8 || G % 8 || G > MAX_GROUP || M < 0 || N < 1 || K < 1 ||
-        (bits == INT8 && zeros))
-        return 1;
-    for (int dtype : {x_dtype, scale_dtype, out_dtype})
-        if (dtype != F32 && dtype != BF16) return 1;
-    if (M == 0) return 0;
+// Rows of x rounded to int16 per group (Problem's x, unit and xsum).
+struct RoundedRows {
+    std::vector<int16_t> xq;
+    std::vector<float> unit, xsum;
+};
+
+// x [M, K] float32 or bfloat16 (read as x[:, perm] where perm is not null) rounded to int16 per group of G: as float32
+// rows of Kp first (zero past K; G a multiple of 8, so whole vectors of LANES where G allows, else one element at a
+// time), then each group scaled by the power of two that puts its largest |x| in [2^14, 2^15).
+RoundedRows round_rows(const void* x, int x_dtype, const int32_t* perm, int bits, int G, int M, int K, int threads) {
     const int Kp = (K + G - 1) / G * G, groups = Kp / G;
-    std::vector<int16_t> xq(static_cast<size_t>(M) * Kp, 0);
-    std::vector<float> unit(static_cast<size_t>(M) * groups), xsum(bits == INT4 ? unit.size() : 0);
-    // x rounded to int16 per group (x as float32 rows of Kp first, zero past K; G is a multiple of 8, so whole
-    // vectors of LANES where G allows, else one element at a time).
+    RoundedRows r{std::vector<int16_t>(static_cast<size_t>(M) * Kp, 0),
+                  std::vector<float>(static_cast<size_t>(M) * groups),
+                  std::vector<float>(bits == INT4 ? static_cast<size_t>(M) * groups : 0)};
     std::vector<float> x32(static_cast<size_t>(M) * Kp, 0.0f);
     for (int m = 0; m < M; ++m) {
         float* row = x32.data() + static_cast<size_t>(m) * Kp;
@@ -418,9 +418,9 @@ extern "C" int gemm_quant(const void* x, int x_dtype, const int32_t* perm, const
             frexpf(largest, &exponent);
             const float step = largest > 0.0f ? ldexpf(1.0f, exponent - 15) : 1.0f;
             const size_t at = static_cast<size_t>(m) * groups + g;
-            unit[at] = step;
-            if (bits == INT4) xsum[at] = total;
-            int16_t* dst = xq.data() + static_cast<size_t>(m) * Kp + g * G;
+            r.unit[at] = step;
+            if (bits == INT4) r.xsum[at] = total;
+            int16_t* dst = r.xq.data() + static_cast<size_t>(m) * Kp + g * G;
             if (whole) {
                 const VF inverse = fset1(1.0f / step);  // a power of two: exact
                 for (int t = 0; t < G; t += LANES) store_rounded(dst + t, vload_f(row + t), inverse);
@@ -431,12 +431,77 @@ extern "C" int gemm_quant(const void* x, int x_dtype, const int32_t* perm, const
                 }
             }
         }
+    return r;
+}
+
+bool refused(int bits, int G, int zeros, std::initializer_list<int> dtypes) {
+    if ((bits != INT8 && bits != INT4) || G < 8 || G % 8 || G > MAX_GROUP || (bits == INT8 && zeros)) return true;
+    for (int dtype : dtypes)
+        if (dtype != F32 && dtype != BF16) return true;
+    return false;
+}
+
+}  // namespace
+
+// x [M, K] float32 or bfloat16, read as x[:, perm] where perm (int32 [K], a permutation of 0..K-1: a GPTQ
+// checkpoint's act-order columns) is not null; panels as above (zeros: whether they hold zero points, int4 only);
+// bits 8 or 4; group G (a multiple of 8, at most 512) divides Kp = K rounded up to a multiple of G. Returns 0, or 1
+// (nothing written) where bits, G or the dtypes are out of range.
+extern "C" int gemm_quant(const void* x, int x_dtype, const int32_t* perm, const void* panels, int zeros,
+                          int scale_dtype, int bits, int G, const void* bias, int bias_dtype, void* out, int out_dtype,
+                          int M, int N, int K, int prefetch_mode, int threads) {
+    if (refused(bits, G, zeros, {x_dtype, scale_dtype, out_dtype}) || M < 0 || N < 1 || K < 1) return 1;
+    if (M == 0) return 0;
+    const int Kp = (K + G - 1) / G * G;
+    const RoundedRows rows = round_rows(x, x_dtype, perm, bits, G, M, K, threads);
     const std::vector<float> bias32 = bias_as_f32(bias, bias_dtype, N);
-    const Problem p{xq.data(), unit.data(), bits == INT4 ? xsum.data() : nullptr, static_cast<const uint8_t*>(panels),
-                    panel_layout(bits, G, Kp, scale_dtype, zeros != 0), bias ? bias32.data() : nullptr, out,
-                    scale_dtype, out_dtype, M, N, Kp, G};
+    const Problem p{rows.xq.data(), rows.unit.data(), bits == INT4 ? rows.xsum.data() : nullptr,
+                    static_cast<const uint8_t*>(panels), panel_layout(bits, G, Kp, scale_dtype, zeros != 0),
+                    bias ? bias32.data() : nullptr, out, scale_dtype, out_dtype, M, N, Kp, G};
     const bool far = prefetch_mode == FAR;
     if (bits == INT8) far ? run<INT8, FAR>(p, threads) : run<INT8, NEAR>(p, threads);
     else far ? run<INT4, FAR>(p, threads) : run<INT4, NEAR>(p, threads);
+    return 0;
+}
+
+// Several weights of one shape and format, each on its own rows of x, in one call (a mixture of experts' experts,
+// each on the tokens routed to it): weight j (panels[j]) multiplies rows offsets[j] .. offsets[j + 1] of x [M, K]
+// into the same rows of out [M, N] (M = offsets[count]); x rounded once, and one parallel region in which the
+// threads share out every weight's panels evenly (a weight's rows computed as gemm_quant computes them). No perm,
+// no bias. Returns 0, or 1 (nothing written) where bits, G or the dtypes are out of range.
+extern "C" int gemm_quant_grouped(const void* x, int x_dtype, const void* const* panels, int zeros, int scale_dtype,
+                                  int bits, int G, void* out, int out_dtype, const int32_t* offsets, int count, int N,
+                                  int K, int prefetch_mode, int threads) {
+    if (refused(bits, G, zeros, {x_dtype, scale_dtype, out_dtype}) || count < 0 || N < 1 || K < 1) return 1;
+    const int M = count > 0 ? offsets[count] : 0;
+    if (M == 0) return 0;
+    const int Kp = (K + G - 1) / G * G, groups = Kp / G, per = (N + PANEL - 1) / PANEL;
+    const RoundedRows rows = round_rows(x, x_dtype, nullptr, bits, G, M, K, threads);
+    const PanelLayout layout = panel_layout(bits, G, Kp, scale_dtype, zeros != 0);
+    const int64_t out_row = static_cast<int64_t>(N) * (out_dtype == BF16 ? 2 : 4);
+    std::vector<Problem> problems;
+    for (int j = 0; j < count; ++j) {
+        const int64_t first = offsets[j];
+        problems.push_back({rows.xq.data() + first * Kp, rows.unit.data() + first * groups,
+                            bits == INT4 ? rows.xsum.data() + first * groups : nullptr,
+                            static_cast<const uint8_t*>(panels[j]), layout, nullptr,
+                            static_cast<uint8_t*>(out) + first * out_row, scale_dtype, out_dtype,
+                            offsets[j + 1] - offsets[j], N, Kp, G});
+    }
+    const int64_t total = static_cast<int64_t>(per) * count;
+    const bool far = prefetch_mode == FAR;
+#pragma omp parallel num_threads(threads)
+    {
+        const int workers = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t begin = total * id / workers, end = total * (id + 1) / workers;
+        for (int64_t j = begin / per; j < count && j * per < end; ++j) {
+            const Problem& p = problems[j];
+            const int lo = static_cast<int>(begin > j * per ? begin - j * per : 0);
+            const int hi = static_cast<int>(end < (j + 1) * per ? end - j * per : per);
+            if (p.M == 0 || lo >= hi) continue;
+            if (bits == INT8) far ? share_rows<INT8, FAR>(p, lo, hi) : share_rows<INT8, NEAR>(p, lo, hi);
+            else far ? share_rows<INT4, FAR>(p, lo, hi) : share_rows<INT4, NEAR>(p, lo, hi);
+        }
+    }
     return 0;
 }

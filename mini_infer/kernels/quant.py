@@ -16,6 +16,8 @@ model, 2 bytes per group and column), so that every candidate, torch's included,
 
 from __future__ import annotations
 
+import ctypes
+
 from dataclasses import dataclass
 
 import torch
@@ -269,6 +271,10 @@ QUANT_KERNELS = {"avx2": ("gemm_quant", 0), "avx2/far": ("gemm_quant", 1), "avx5
                  "avx512_vnni/far": ("gemm_quant_vnni", 1)}
 
 
+GROUPED = {"gemm_quant": "gemm_quant_grouped", "gemm_quant_avx512": "gemm_quant_grouped_avx512",
+           "gemm_quant_vnni": "gemm_quant_grouped_vnni"}  # each build's grouped matmul (quant_linear_grouped)
+
+
 def quant_paths() -> dict[str, str | None]:
     """Each native path for quantised weights: None where it runs here, else why not."""
     paths = {}
@@ -297,4 +303,31 @@ def quant_linear(x: torch.Tensor, weight: QuantPanels, bias: torch.Tensor | None
                                    *bias_args, out.data_ptr(), cpu.DTYPE_CODES[x.dtype], x.shape[0],
                                    weight.out_features, x.shape[1], prefetch, torch.get_num_threads()):
         raise ValueError(f"quantised linear: the kernel refused bits {weight.bits}, group {weight.group}")
+    return out
+
+
+def quant_linear_grouped(x: torch.Tensor, weights: list[QuantPanels], offsets: list[int],
+                         path: str = "avx2") -> torch.Tensor:
+    """Rows offsets[j] .. offsets[j + 1] of x [M, K] (float32 or bfloat16) @ weights[j]'s dequantised weight.T, every
+    j in one call: out [M, N] in x's dtype, each row as quant_linear computes it. The weights share one shape and
+    format and have no act-order permutation (a mixture of experts' experts)."""
+    first = weights[0]
+    if (x.dim() != 2 or x.shape[1] != first.in_features or x.dtype not in cpu.DTYPE_CODES or path not in QUANT_KERNELS
+            or len(offsets) != len(weights) + 1 or offsets[-1] != x.shape[0]
+            or any((w.bits, w.group, w.zeros, w.scale_dtype, w.out_features, w.in_features, w.perm) != (
+                first.bits, first.group, first.zeros, first.scale_dtype, first.out_features, first.in_features, None)
+                for w in weights)):
+        raise ValueError(f"grouped quantised linear: x {tuple(x.shape)} {x.dtype} on path {path!r} with offsets "
+                         f"{offsets} does not match {len(weights)} weights like int{first.bits} "
+                         f"{first.out_features} x {first.in_features} without a permutation")
+    kernel, prefetch = QUANT_KERNELS[path]
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], first.out_features, dtype=x.dtype)
+    panels = (ctypes.c_void_p * len(weights))(*(w.data.data_ptr() for w in weights))
+    starts = (ctypes.c_int32 * len(offsets))(*offsets)
+    if cpu.native_function(GROUPED[kernel])(x.data_ptr(), cpu.DTYPE_CODES[x.dtype], panels, int(first.zeros),
+                                            cpu.DTYPE_CODES[first.scale_dtype], first.bits, first.group,
+                                            out.data_ptr(), cpu.DTYPE_CODES[x.dtype], starts, len(weights),
+                                            first.out_features, x.shape[1], prefetch, torch.get_num_threads()):
+        raise ValueError(f"grouped quantised linear: the kernel refused bits {first.bits}, group {first.group}")
     return out

@@ -28,13 +28,17 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 
 class SparseMoeBlock(nn.Module):
     def __init__(self, moe: MoeConfig, hidden_size: int, intermediate_size: int, shared_intermediate_size: int,
-                 linear: Callable, reduce: Callable, activation: Callable, *, dtype: torch.dtype, device) -> None:
-        """intermediate_size / shared_intermediate_size: this rank's slice of each expert's / the shared expert's."""
+                 linear: Callable, reduce: Callable, activation: Callable, grouped_linear: Callable | None = None, *,
+                 dtype: torch.dtype, device) -> None:
+        """intermediate_size / shared_intermediate_size: this rank's slice of each expert's / the shared expert's;
+        grouped_linear(x, weights, offsets): several experts' matmuls in one call, or None where it cannot
+        (Ops.grouped_linear); the experts then run one by one through `linear`."""
         super().__init__()
         factory = dict(dtype=dtype, device=device)
-        self.top_k, self.norm_topk_prob, self.reduce = moe.top_k, moe.norm_topk_prob, reduce
+        self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
+        self.linear, self.reduce, self.activation, self.grouped_linear = linear, reduce, activation, grouped_linear
         self.gate = empty_parameter(moe.num_experts, hidden_size, **factory)  # the router, kept in the model's dtype
-        # Each expert a SwiGLU MLP whose partial sum the block reduces once for all of them.
+        # Each expert a SwiGLU MLP (its weights: the engine's linear weights); the block reduces their partial sums.
         self.experts = nn.ModuleList(SwiGLUMLP(hidden_size, intermediate_size, linear, _identity, activation,
                                                **factory) for _ in range(moe.num_experts))
         self.shared_expert = self.shared_expert_gate = None
@@ -53,22 +57,31 @@ class SparseMoeBlock(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return experts, weights.to(x.dtype)
 
+    def _each(self, x: torch.Tensor, weights: list, offsets: list[int]) -> torch.Tensor:
+        """Rows offsets[j] .. offsets[j + 1] of x by weights[j]: in one call where grouped_linear can, else one
+        matmul per weight."""
+        out = self.grouped_linear(x, weights, offsets) if self.grouped_linear is not None else None
+        if out is None:
+            out = torch.cat([self.linear(x[a:b], weight) for weight, a, b in zip(weights, offsets, offsets[1:])])
+        return out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with profiled("moe_routing"):
             experts, weights = self.route(x)
             # (token, expert) pairs grouped by expert, in token order within each group.
             order = experts.flatten().argsort(stable=True)
             tokens = order // self.top_k
-            pair_weights = weights.flatten()[order, None]
             counts = torch.bincount(experts.flatten(), minlength=len(self.experts)).tolist()  # one host read a layer
-        out = torch.zeros_like(x)
-        start = 0
+            hit = [self.experts[e] for e, count in enumerate(counts) if count]
+            offsets = [0]
+            for count in filter(None, counts):
+                offsets.append(offsets[-1] + count)
         with profiled("experts"):
-            for expert, count in zip(self.experts, counts):
-                if count:  # experts in index order, each on all of its tokens at once
-                    rows = tokens[start:start + count]
-                    out.index_add_(0, rows, expert(x[rows]) * pair_weights[start:start + count])
-                    start += count
+            # Each expert with tokens once, on all of its rows, in expert index order; every token's outputs summed
+            # in that order (transformers' index_add_ order).
+            gate_up = self._each(x[tokens], [mlp.gate_up_proj for mlp in hit], offsets)
+            y = self._each(self.activation(gate_up), [mlp.down_proj for mlp in hit], offsets)
+            out = torch.zeros_like(x).index_add_(0, tokens, y * weights.flatten()[order, None])
         if self.shared_expert is not None:
             out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
         return self.reduce(out)

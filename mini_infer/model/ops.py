@@ -104,6 +104,20 @@ class Ops:
             return None if path == "torch" else (path, weight.native(path))
         return (self.path, weight) if isinstance(weight, cpu.PackedWeight) else None
 
+    def grouped_linear(self, x: torch.Tensor, weights: list[TunedWeight], offsets: list[int]) -> torch.Tensor | None:
+        """Rows offsets[j] .. offsets[j + 1] of x by weights[j] (weights of one shape: a mixture's experts), in one
+        native call (quant.quant_linear_grouped) where they are quantised without an act-order permutation and the
+        autotuner's winner at the largest group's rows is native; None elsewhere (the caller runs them one by
+        one). Each row comes out as linear() computes it on that path."""
+        first = weights[0]
+        if not isinstance(first, TunedWeight) or "quant" not in first.packed:
+            return None
+        path = first.winners[bucket_index(max(b - a for a, b in zip(offsets, offsets[1:])))]
+        panels = [weight.packed["quant"] for weight in weights]
+        if path == "torch" or panels[0].perm is not None:
+            return None
+        return quant.quant_linear_grouped(x, panels, offsets, path)
+
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata) -> torch.Tensor:
         if not self.native:

@@ -53,6 +53,10 @@ class TritonOps:
     def native_linear(self, weight: torch.Tensor, rows: int) -> None:
         return None
 
+    def grouped_linear(self, x: torch.Tensor, weights: list[torch.Tensor], offsets: list[int]) -> None:
+        """No grouped matmul on the GPU: a mixture's experts run one by one (model/moe.py)."""
+        return None
+
     def decode_splits(self, num_seqs: int, num_kv_heads: int) -> int:
         return triton_attention.decode_splits(num_seqs, num_kv_heads, self.num_sms)
 

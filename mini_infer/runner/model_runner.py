@@ -61,8 +61,9 @@ class ModelRunner:
             if self.sampler is not None and config.speculative_config is not None else None
         self.graphs: DecodeGraphs | None = None
         self.graph_report: CaptureReport | None = None
-        # Graphs hold the GPU backend's decode steps on one rank (across ranks they would hold the collectives too).
-        if self.ops.graph_safe and not config.enforce_eager and config.world_size == 1:
+        # Graphs hold the GPU backend's decode steps on one rank (across ranks they would hold the collectives too);
+        # a mixture of experts reads its routing on the host every layer (model/moe.py), so its steps run eagerly.
+        if self.ops.graph_safe and not config.enforce_eager and config.world_size == 1 and mc.moe is None:
             self.graphs = DecodeGraphs(self._decode_layers, config.max_num_seqs, config.max_blocks_per_seq, device)
             self.graph_report = self.graphs.capture()
 
