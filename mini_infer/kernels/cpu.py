@@ -66,24 +66,6 @@ _KERNELS = {
                         [*_AVX512, "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
                         ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"),
                         enable="amx_enable"),
-    # kernels/quant.py: weights quantised to int8 or int4, products of int16 x and the integers in registers.
-    "gemm_quant": _Kernel("cpu_gemm_quant.cpp", "gemm_quant", _QUANT_ARGS, _I, [*_AVX2, "-DQUANT_AVX512=0"],
-                          ("avx2", "fma")),
-    "gemm_quant_avx512": _Kernel("cpu_gemm_quant.cpp", "gemm_quant", _QUANT_ARGS, _I,
-                                 [*_AVX512, "-DQUANT_AVX512=1", "-DQUANT_VNNI=0"],
-                                 ("avx2", "fma", "avx512f", "avx512bw", "avx512vl")),
-    "gemm_quant_vnni": _Kernel("cpu_gemm_quant.cpp", "gemm_quant", _QUANT_ARGS, _I,
-                               [*_AVX512, "-mavx512vnni", "-DQUANT_AVX512=1", "-DQUANT_VNNI=1"],
-                               ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni")),
-    # The same three builds' grouped matmul: several weights, each on its rows of x, in one call (kernels/quant.py).
-    "gemm_quant_grouped": _Kernel("cpu_gemm_quant.cpp", "gemm_quant_grouped", _GROUPED_ARGS, _I,
-                                  [*_AVX2, "-DQUANT_AVX512=0"], ("avx2", "fma")),
-    "gemm_quant_grouped_avx512": _Kernel("cpu_gemm_quant.cpp", "gemm_quant_grouped", _GROUPED_ARGS, _I,
-                                         [*_AVX512, "-DQUANT_AVX512=1", "-DQUANT_VNNI=0"],
-                                         ("avx2", "fma", "avx512f", "avx512bw", "avx512vl")),
-    "gemm_quant_grouped_vnni": _Kernel("cpu_gemm_quant.cpp", "gemm_quant_grouped", _GROUPED_ARGS, _I,
-                                       [*_AVX512, "-mavx512vnni", "-DQUANT_AVX512=1", "-DQUANT_VNNI=1"],
-                                       ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni")),
     "paged_decode_attention": _Kernel("cpu_attention.cpp", "paged_decode_attention",
                                       [_P] * 6 + [_I] * 8 + [ctypes.c_int64, _F, _I], _I, _AVX2, ("avx2", "fma")),
     "paged_prefill_attention": _Kernel("cpu_attention.cpp", "paged_prefill_attention",
@@ -113,6 +95,19 @@ _KERNELS = {
     "shm_allreduce": _Kernel("shm_allreduce.cpp", "shm_allreduce", [_P, _I, _I, _L, ctypes.c_int64, _P, _I, _L], _L,
                              _AVX2, ("avx2", "fma")),
 }
+# kernels/quant.py: weights quantised to int8 or int4, products of int16 x and the integers in registers; three builds
+# of one source (AVX2, AVX-512BW, AVX512_VNNI), each with the matmul and the grouped matmul (several weights, each on
+# its rows of x, in one call).
+_QUANT_BUILDS = {
+    "": ([*_AVX2, "-DQUANT_AVX512=0"], ("avx2", "fma")),
+    "_avx512": ([*_AVX512, "-DQUANT_AVX512=1", "-DQUANT_VNNI=0"], ("avx2", "fma", "avx512f", "avx512bw", "avx512vl")),
+    "_vnni": ([*_AVX512, "-mavx512vnni", "-DQUANT_AVX512=1", "-DQUANT_VNNI=1"],
+              ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni")),
+}
+for _suffix, (_flags, _needs) in _QUANT_BUILDS.items():
+    _KERNELS[f"gemm_quant{_suffix}"] = _Kernel("cpu_gemm_quant.cpp", "gemm_quant", _QUANT_ARGS, _I, _flags, _needs)
+    _KERNELS[f"gemm_quant_grouped{_suffix}"] = _Kernel("cpu_gemm_quant.cpp", "gemm_quant_grouped", _GROUPED_ARGS, _I,
+                                                       _flags, _needs)
 # The kernels that must build for cpu_kernels to run natively; the AVX-512 matmuls are extra paths where the CPU
 # has them (MATMUL_PATHS), and the OPTIONAL ones each take over one job where they build (torch's, or the per-op path,
 # does it where they do not; Ops' note says which are missing).

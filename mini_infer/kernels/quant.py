@@ -271,10 +271,6 @@ QUANT_KERNELS = {"avx2": ("gemm_quant", 0), "avx2/far": ("gemm_quant", 1), "avx5
                  "avx512_vnni/far": ("gemm_quant_vnni", 1)}
 
 
-GROUPED = {"gemm_quant": "gemm_quant_grouped", "gemm_quant_avx512": "gemm_quant_grouped_avx512",
-           "gemm_quant_vnni": "gemm_quant_grouped_vnni"}  # each build's grouped matmul (quant_linear_grouped)
-
-
 def quant_paths() -> dict[str, str | None]:
     """Each native path for quantised weights: None where it runs here, else why not."""
     paths = {}
@@ -325,9 +321,9 @@ def quant_linear_grouped(x: torch.Tensor, weights: list[QuantPanels], offsets: l
     out = torch.empty(x.shape[0], first.out_features, dtype=x.dtype)
     panels = (ctypes.c_void_p * len(weights))(*(w.data.data_ptr() for w in weights))
     starts = (ctypes.c_int32 * len(offsets))(*offsets)
-    if cpu.native_function(GROUPED[kernel])(x.data_ptr(), cpu.DTYPE_CODES[x.dtype], panels, int(first.zeros),
-                                            cpu.DTYPE_CODES[first.scale_dtype], first.bits, first.group,
-                                            out.data_ptr(), cpu.DTYPE_CODES[x.dtype], starts, len(weights),
-                                            first.out_features, x.shape[1], prefetch, torch.get_num_threads()):
+    grouped = cpu.native_function(f"gemm_quant_grouped{kernel.removeprefix('gemm_quant')}")  # the same build's
+    if grouped(x.data_ptr(), cpu.DTYPE_CODES[x.dtype], panels, int(first.zeros), cpu.DTYPE_CODES[first.scale_dtype],
+               first.bits, first.group, out.data_ptr(), cpu.DTYPE_CODES[x.dtype], starts, len(weights),
+               first.out_features, x.shape[1], prefetch, torch.get_num_threads()):
         raise ValueError(f"grouped quantised linear: the kernel refused bits {first.bits}, group {first.group}")
     return out
