@@ -37,9 +37,12 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model, path: Path, outtype: str = "f32", tokenizer_dir: Path | None = None) -> Path:
+def write_gguf(model, path: Path, outtype: str = "f32", tokenizer_dir: Path | None = None,
+               k_quants: dict[str, str] | None = None) -> Path:
     """`model` (a transformers model) as a GGUF file: 2-D weights in `outtype`, 1-D tensors F32 (as the converter
-    writes them), with the tokenizer of `tokenizer_dir` as GGUF vocabulary metadata when given."""
+    writes them), with the tokenizer of `tokenizer_dir` as GGUF vocabulary metadata when given. `k_quants`: HF name
+    suffix -> Q4_K / Q6_K for the weights to write as random blocks of that type (gguf-py has no K-quant quantiser;
+    the file's weights are then those blocks, not the model's)."""
     config = model.config
     arch = getattr(gguf.MODEL_ARCH, ARCHS[config.model_type])
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
@@ -74,13 +77,33 @@ def write_gguf(model, path: Path, outtype: str = "f32", tokenizer_dir: Path | No
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             data = _permute(data, heads)
         target = qtype if data.ndim >= 2 and not name.endswith(FLOAT_KEPT) else gguf.GGMLQuantizationType.F32
-        stored = gguf.quants.quantize(data, target) if target != gguf.GGMLQuantizationType.F32 else data
+        kind = next((k for suffix, k in (k_quants or {}).items() if name.endswith(suffix)), None)
+        if kind is not None:
+            target = getattr(gguf.GGMLQuantizationType, kind)
+            stored = random_k_blocks(kind, *data.shape, seed=len(name) + data.size)
+        else:
+            stored = gguf.quants.quantize(data, target) if target != gguf.GGMLQuantizationType.F32 else data
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), stored, raw_dtype=target)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def random_k_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """[rows, cols / 256 blocks' bytes] of Q4_K or Q6_K with random integers, scales and mins, their float16 d
+    (and dmin) chosen so that the weights come out near the test models' (|w| up to ~0.3)."""
+    rng = np.random.default_rng(seed)
+    size = {"Q4_K": 144, "Q6_K": 210}[kind]
+    blocks = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
+    d = rng.uniform(0.5, 1.0, size=(rows, cols // 256)).astype(np.float16)
+    if kind == "Q4_K":  # d sc q - dmin m, sc and m in 0..63, q in 0..15
+        blocks[:, :, 0:2] = (d * np.float16(3e-4)).view(np.uint8).reshape(rows, -1, 2)
+        blocks[:, :, 2:4] = (d * np.float16(2e-3)).view(np.uint8).reshape(rows, -1, 2)
+    else:  # d sc (q - 32), sc in -128..127, q in 0..63
+        blocks[:, :, 208:210] = (d * np.float16(1e-4)).view(np.uint8).reshape(rows, -1, 2)
+    return blocks.reshape(rows, -1)
 
 
 def _converter_tensors(model):
@@ -240,6 +263,67 @@ def test_q8_0_and_q4_0_load_as_llama_cpp_dequantises_and_run_as_the_float64_mode
             assert expected[step, token] >= expected[step].max() - 6e-3
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_k_quant_blocks_load_as_gguf_pys_dequantisation(tmp_path, kind):
+    """Q4_K / Q6_K blocks keep their integers, each sub-block's scale (and min) multiplied out in float32: Q6_K's
+    weights are gguf-py's bit for bit; Q4_K's zero point 8 s - dmin m is rounded once in float32, so they agree to
+    that rounding."""
+    from mini_infer.model.gguf_weights import named_tensors, quantized
+
+    writer = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "qwen2")
+    writer.add_tensor("blk.0.attn_q.weight", random_k_blocks(kind, 40, 512, seed=3),
+                      raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    [(_, tensor)] = list(named_tensors(GGUFHeader(tmp_path / "k.gguf")))
+    qt = quantized(tensor)
+    theirs = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    assert (qt.bits, qt.group, qt.zeros is not None) == ((4, 32, True) if kind == "Q4_K" else (8, 16, False))
+    ours = qt.dequantize().numpy()
+    assert ours.shape == theirs.shape == (40, 512) and np.abs(theirs).max() > 0.05
+    if kind == "Q6_K":
+        assert np.array_equal(ours, theirs)
+    else:
+        scales = qt.scales.repeat_interleave(32, dim=1).numpy()
+        assert (np.abs(ours - theirs) <= 2.0 ** -22 * (8 * scales + np.abs(theirs))).all()
+
+
+@native
+def test_a_q4_k_m_style_file_runs_as_the_float64_model_of_its_weights(tmp_path):
+    """Q4_K q, k, gate and up beside Q6_K v, down and LM head (a Q4_K_M mix): the fused q/k/v and gate/up keep parts of
+    different types apart, each its own matmul; greedy tokens and logprobs as HF's float64 model of the file's
+    dequantised weights, within the kernels' int16 rounding (as the Q8_0 / Q4_0 test's bound)."""
+    from gguf import GGUFReader
+
+    model = build_hf_model(seed=6, vocab_size=300, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                           num_key_value_heads=2, tie_word_embeddings=False)
+    k_quants = {"q_proj.weight": "Q4_K", "k_proj.weight": "Q4_K", "v_proj.weight": "Q6_K", "o_proj.weight": "Q4_K",
+                "gate_proj.weight": "Q4_K", "up_proj.weight": "Q4_K", "down_proj.weight": "Q6_K",
+                "lm_head.weight": "Q6_K", "embed_tokens.weight": "Q4_K"}
+    path = write_gguf(model, tmp_path / "model.gguf", "f32", k_quants=k_quants)
+    weights = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in GGUFReader(str(path)).tensors}
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, model.config.num_hidden_layers)
+    reference = model.double()
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            param.copy_(torch.from_numpy(np.array(weights[names.get_name(name, try_suffixes=(".weight", ".bias"))]))
+                        .reshape(param.shape))
+    llm = LLM(str(path), dtype="float32", cpu_kernels="on", num_kv_blocks=32)
+    qkv = llm.engine.runner.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, tuple) and len(qkv) == 3  # q, k (Q4_K) and v (Q6_K): three matmuls
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    for prompt, out in zip(PROMPTS, llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)):
+        out = out.outputs[0]
+        with torch.no_grad():
+            logits = reference(torch.tensor([prompt + list(out.token_ids)])).logits[0, len(prompt) - 1: -1]
+        expected = torch.log_softmax(logits, dim=-1)
+        for step, token in enumerate(out.token_ids):
+            assert abs(out.logprobs[step][token].logprob - expected[step, token].item()) < 3e-3
+            assert expected[step, token] >= expected[step].max() - 6e-3
+
+
 def test_the_files_own_vocabulary_tokenizes_as_the_models_tokenizer(tiny_model_dir, tmp_path):
     import transformers
 
@@ -298,16 +382,16 @@ def test_what_does_not_load_is_refused_by_name(tmp_path):
     model = _model("qwen2", seed=7)
     path = write_gguf(model, tmp_path / "model.gguf", "f32")
     assert hf_config(GGUFHeader(path), "x")[0]["architectures"] == ["Qwen2ForCausalLM"]
-    # a K-quant tensor
+    # a K-quant tensor of a type not loaded (Q5_K)
     k_quant = tmp_path / "k.gguf"
     writer = gguf.GGUFWriter(str(k_quant), "qwen2")
-    writer.add_tensor("token_embd.weight", np.zeros((300, 144), dtype=np.uint8),
-                      raw_dtype=gguf.GGMLQuantizationType.Q4_K)  # one 144-byte block of 256 values a row
+    writer.add_tensor("token_embd.weight", np.zeros((300, 176), dtype=np.uint8),
+                      raw_dtype=gguf.GGMLQuantizationType.Q5_K)  # one 176-byte block of 256 values a row
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="tensor 'token_embd.weight' is Q4_K; mini-infer loads GGUF tensors of types"):
+    with pytest.raises(ValueError, match="tensor 'token_embd.weight' is Q5_K; mini-infer loads GGUF tensors of types"):
         LLM(str(k_quant))
     # an architecture we do not run
     other = tmp_path / "gemma.gguf"

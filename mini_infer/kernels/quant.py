@@ -154,6 +154,22 @@ def quantize(weight: torch.Tensor, method: str | Scheme, scale_dtype: torch.dtyp
 
 
 @dataclass(frozen=True, slots=True)
+class StackedParts:
+    """A fused weight (q, k, v; gate, up) whose parts are quantised differently (a GGUF Q4_K_M file's Q4_K q and k
+    beside a Q6_K v): each part its own matmul, their outputs side by side."""
+
+    parts: tuple[QuantizedTensor, ...]
+
+    @property
+    def out_features(self) -> int:
+        return sum(part.out_features for part in self.parts)
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].in_features
+
+
+@dataclass(frozen=True, slots=True)
 class QuantPanels:
     """A QuantizedTensor in cpu_gemm_quant.cpp's layout: panels of 16 output columns, each one run of bytes (a row
     of `data`, uint8 [P, panel bytes]): its scales [Kp / group, 16] (bfloat16 where they hold bf16 values, else

@@ -11,10 +11,12 @@ them); they are put back here.
 Q8_0 (34-byte blocks: a float16 scale d and 32 int8 values q, w = d q) and Q4_0 (18 bytes: d and 16 bytes of 4-bit q,
 the block's first 16 values in the low nibbles and the next 16 in the high ones, w = d (q - 8)) are mini-infer's int8
 and int4 layouts with groups of 32 (kernels/quant.py, decision 002): their integers and scales load unchanged, so the
-weights are exactly llama.cpp's. A fused weight's parts must share one type. A quantised embedding is a lookup table,
-not a matmul: it is expanded to the model's dtype (exact in float32); the LM head keeps the file's type (the
-embedding's, when the head is tied).
-"""
+weights are exactly llama.cpp's. Q4_K and Q6_K keep their integers too, their two-level scales multiplied out into
+float32 (Q4_K: int4 with zero points, 6 bits a weight against the file's 4.5; Q6_K: int8 in groups of 16, 10 bits
+against 6.56): the weights are llama.cpp's, in a wider layout than its own. A fused weight whose parts are of different
+types (a Q4_K_M file's Q4_K q and k with a Q6_K v) keeps them apart (StackedParts), each its own matmul. A quantised
+embedding is a lookup table, not a matmul: it is expanded to the model's dtype (exact in float32); the LM head keeps the
+file's type (the embedding's, when the head is tied)."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import torch
 
 from mini_infer.config import ModelConfig
 from mini_infer.gguf_file import GROUP, QUANTIZED_TYPES, GGUFHeader, Tensor
-from mini_infer.kernels.quant import QuantizedTensor
+from mini_infer.kernels.quant import QuantizedTensor, StackedParts
 from mini_infer.model import prequantized, weight_map
 from mini_infer.model.qwen2 import Qwen2ForCausalLM
 
@@ -41,7 +43,8 @@ _LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": 
           "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
 _EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}  # 3-D: [E, out, in]
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-_BLOCK_BYTES = {"Q8_0": 2 + GROUP, "Q4_0": 2 + GROUP // 2}
+_BLOCK_BYTES = {"Q8_0": 2 + GROUP, "Q4_0": 2 + GROUP // 2, "Q4_K": 144, "Q6_K": 210}
+SUPER_BLOCK = 256  # the K-quants' weights per block (QK_K)
 
 
 def hf_name(name: str) -> str | None:
@@ -71,17 +74,23 @@ def named_tensors(header: GGUFHeader):
 
 
 def dequantize(q: QuantizedTensor) -> torch.Tensor:
-    """The float32 weights a Q8_0 / Q4_0 tensor stands for ([out_features, in_features])."""
-    values = q.q.float() - (8 if q.bits == 4 else 0)
-    return (values.view(q.out_features, -1, q.group) * q.scales[:, :, None]).reshape(q.out_features, -1)
+    """The float32 weights a quantised tensor stands for ([out_features, in_features])."""
+    return q.dequantize()
 
 
 def quantized(tensor) -> QuantizedTensor:
-    """A Q8_0 / Q4_0 tensor's blocks as a QuantizedTensor of the same integers and scales."""
+    """A quantised tensor's blocks as a QuantizedTensor of the same integers: Q8_0 / Q4_0 with their scales as they
+    are (float16 values); Q4_K and Q6_K (256-weight blocks of sub-blocks with scales of their own) with each
+    sub-block's scale (and min) multiplied out exactly into float32 (a float16 times a 6- or 8-bit integer)."""
     kind = tensor.tensor_type.name
     in_features, out_features = (int(n) for n in tensor.shape)
-    blocks = torch.from_numpy(np.array(tensor.data)).view(out_features, in_features // GROUP, _BLOCK_BYTES[kind])
-    scales = blocks[:, :, :2].contiguous().view(torch.float16)[:, :, 0].float()
+    per_block = SUPER_BLOCK if kind in ("Q4_K", "Q6_K") else GROUP
+    blocks = torch.from_numpy(np.array(tensor.data)).view(out_features, in_features // per_block, _BLOCK_BYTES[kind])
+    if kind == "Q4_K":
+        return _q4_k(blocks, out_features, in_features)
+    if kind == "Q6_K":
+        return _q6_k(blocks, out_features, in_features)
+    scales = _half(blocks[:, :, :2])
     if kind == "Q8_0":
         q = blocks[:, :, 2:].contiguous().view(torch.int8).reshape(out_features, in_features)
     else:
@@ -89,6 +98,39 @@ def quantized(tensor) -> QuantizedTensor:
         q = torch.cat([packed & 0x0F, packed >> 4], dim=2).reshape(out_features, in_features)
     return QuantizedTensor(q.contiguous(), scales.contiguous(), None, QUANTIZED_TYPES[kind], GROUP, in_features,
                            torch.float16, None)
+
+
+def _half(raw: torch.Tensor) -> torch.Tensor:
+    """float16 values stored as their two bytes ([..., 2] uint8) -> float32 [...]."""
+    return raw.contiguous().view(torch.float16)[..., 0].float()
+
+
+def _q4_k(blocks: torch.Tensor, rows: int, cols: int) -> QuantizedTensor:
+    """Q4_K (144 bytes: d, dmin, 12 bytes of eight 6-bit scales and mins, 128 bytes of 4-bit q): sub-block j of 32
+    weights is d sc_j q - dmin m_j, q in 0..15; as int4 with zero points, w = (q - 8) s + z: s = d sc_j and
+    z = 8 s - dmin m_j, each exact in float32 but z, rounded once (to half a unit of its last place)."""
+    d, dmin = _half(blocks[:, :, 0:2]), _half(blocks[:, :, 2:4])
+    packed = blocks[:, :, 4:16].view(rows, -1, 3, 4).to(torch.int32)  # llama.cpp's get_scale_min_k4
+    low, high, both = packed[:, :, 0], packed[:, :, 1], packed[:, :, 2]
+    sc = torch.cat([low & 0x3F, (both & 0x0F) | ((low >> 2) & 0x30)], dim=-1)
+    mins = torch.cat([high & 0x3F, (both >> 4) | ((high >> 2) & 0x30)], dim=-1)
+    q = blocks[:, :, 16:].view(rows, -1, 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 2, 1)
+    scales = d[:, :, None] * sc.float()
+    zeros = 8 * scales - dmin[:, :, None] * mins.float()
+    return QuantizedTensor((q & 0x0F).reshape(rows, cols).contiguous(), scales.reshape(rows, -1).contiguous(),
+                           zeros.reshape(rows, -1).contiguous(), 4, GROUP, cols, torch.float32, None)
+
+
+def _q6_k(blocks: torch.Tensor, rows: int, cols: int) -> QuantizedTensor:
+    """Q6_K (210 bytes: 128 of q's low 4 bits, 64 of their high 2, 16 int8 scales, d): sub-block j of 16 weights is
+    d sc_j (q - 32), q in 0..63; as int8 in groups of 16, q - 32 with the scale d sc_j (exact in float32)."""
+    low = blocks[:, :, :128].view(rows, -1, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 2, 1)
+    high = blocks[:, :, 128:192].view(rows, -1, 2, 1, 32) >> torch.tensor(
+        [0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1)
+    q = ((low & 0x0F).reshape(rows, -1, 8, 32) | ((high & 0x03).reshape(rows, -1, 8, 32) << 4)).to(torch.int8) - 32
+    scales = _half(blocks[:, :, 208:210])[:, :, None] * blocks[:, :, 192:208].contiguous().view(torch.int8).float()
+    return QuantizedTensor(q.reshape(rows, cols).contiguous(), scales.reshape(rows, -1).contiguous(), None, 8, 16, cols,
+                           torch.float32, None)
 
 
 def _float(tensor) -> torch.Tensor:
@@ -173,11 +215,14 @@ def load_gguf_weights(model: Qwen2ForCausalLM, config: ModelConfig, file: Path) 
         stored = [held.pop(name, None) for name, _, _ in parts]
         if all(s is None for s in stored):
             continue  # float parts: copied above
-        if any(s is None for s in stored) or len({s.bits for s in stored}) > 1:
+        if any(s is None for s in stored):
             raise ValueError(f"{file}: {parts[0][0]} ({attr}): the fused projections {[n for n, _, _ in parts]} "
-                             "are stored in different types; mini-infer fuses only projections of one type")
+                             "are stored some quantised, some float; mini-infer fuses those of one kind")
         module._parameters.pop(attr)
-        setattr(module, attr, prequantized.concat(stored, f"{parts[0][0]} ({attr})"))
+        if len({s.scheme for s in stored}) > 1:  # (a Q4_K_M file: q and k in Q4_K, v in Q6_K) each its own matmul
+            setattr(module, attr, StackedParts(tuple(stored)))
+        else:
+            setattr(module, attr, prequantized.concat(stored, f"{parts[0][0]} ({attr})"))
     if head is not None:
         model._parameters.pop("lm_head", None)
         model.lm_head = head

@@ -83,8 +83,11 @@ class Ops:
     graph_safe: bool = False  # CUDA graphs are the GPU backend's (model/triton_ops.py)
     optional: frozenset[str] = frozenset()  # the optional native kernels that run here (cpu.OPTIONAL)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor | cpu.PackedWeight | TunedWeight,
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | cpu.PackedWeight | TunedWeight | tuple[TunedWeight, ...],
                bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(weight, tuple):  # a fused weight of differently quantised parts (quant.StackedParts)
+            out = torch.cat([self.linear(x, part) for part in weight], dim=-1)
+            return out if bias is None else out + bias
         native = self.native_linear(weight, x.shape[0])
         if native is not None:
             path, packed = native
@@ -102,7 +105,7 @@ class Ops:
         if isinstance(weight, TunedWeight):
             path = weight.winners[bucket_index(rows)]
             return None if path == "torch" else (path, weight.native(path))
-        return (self.path, weight) if isinstance(weight, cpu.PackedWeight) else None
+        return (self.path, weight) if isinstance(weight, cpu.PackedWeight) else None  # (parts: several matmuls)
 
     def grouped_linear(self, x: torch.Tensor, weights: list[TunedWeight], offsets: list[int]) -> torch.Tensor | None:
         """Rows offsets[j] .. offsets[j + 1] of x by weights[j] (weights of one shape: a mixture's experts), in one
@@ -199,12 +202,11 @@ class Ops:
             method = self._method(name) if not isinstance(weight, quant.QuantizedTensor) else None
             if method is not None:
                 weight = quant.quantize(weight.data, method, quant.scale_dtype(weight.dtype))
+            if isinstance(weight, quant.StackedParts):
+                setattr(module, name, tuple(self._packed_quantized(part, name) for part in weight.parts))
+                continue
             if isinstance(weight, quant.QuantizedTensor):
-                packed = self._packed_quantized(weight)
-                head = ", LM head" if name == "lm_head" else ""
-                self.chosen[f"{weight.out_features}x{weight.in_features} ({weight.scheme.name}{head})"] = \
-                    list(packed.winners)
-                setattr(module, name, packed)
+                setattr(module, name, self._packed_quantized(weight, name))
                 continue
             weight = weight.data
             if self.tuner is None:
@@ -228,7 +230,8 @@ class Ops:
         if self.tuner is None:
             return {}
         weights = {(id(module), name): getattr(module, name) for module, name in linear_weights
-                   if not isinstance(getattr(module, name), quant.QuantizedTensor) and self._method(name) is None}
+                   if not isinstance(getattr(module, name), (quant.QuantizedTensor, quant.StackedParts))
+                   and self._method(name) is None}
         winners = {key: self.tuner.winners(*weight.shape) for key, weight in weights.items()}
         copies = sum(weights[key].numel() * weights[key].element_size() for key, chosen in winners.items()
                      if "torch" in chosen and set(chosen) != {"torch"})
@@ -248,9 +251,9 @@ class Ops:
             return quant.HEAD_METHOD[self.quantization]
         return self.quantization
 
-    def _packed_quantized(self, qt: quant.QuantizedTensor) -> TunedWeight:
+    def _packed_quantized(self, qt: quant.QuantizedTensor, name: str) -> TunedWeight:
         """A quantised weight packed for its timed choices (or for `quant_path`, or for torch's int4 matmul without
-        the native kernels)."""
+        the native kernels), its choices noted under its shape and scheme."""
         if not self.native:
             winners = ("torch",) * len(BUCKETS)
         elif self.quant_timer is None:
@@ -264,6 +267,8 @@ class Ops:
             packed["quant"] = quant.pack_panels(qt)
         if "torch" in winners:
             packed["int4pack"] = quant.pack_torch_int4(qt, self.dtype)
+        head = ", LM head" if name == "lm_head" else ""
+        self.chosen[f"{qt.out_features}x{qt.in_features} ({qt.scheme.name}{head})"] = list(winners)
         return TunedWeight(packed, None, winners)
 
     def matmul_choices(self) -> dict[str, list[str]] | None:

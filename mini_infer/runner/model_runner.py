@@ -193,9 +193,12 @@ def _unique_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
     seen, tensors = set(), []
     for module in model.modules():
         for value in (*module._parameters.values(), *vars(module).values()):
-            for tensor in value.tensors() if isinstance(value, TunedWeight) else [getattr(value, "data", value)]:
-                if isinstance(tensor, torch.Tensor) and tensor.data_ptr() not in seen:
-                    seen.add(tensor.data_ptr())
-                    tensors.append(tensor)
+            # (a tuple of tuned weights: a fused weight of differently quantised parts, Ops.prepare)
+            parts = value if isinstance(value, tuple) and value and isinstance(value[0], TunedWeight) else (value,)
+            for part in parts:
+                for tensor in part.tensors() if isinstance(part, TunedWeight) else [getattr(part, "data", part)]:
+                    if isinstance(tensor, torch.Tensor) and tensor.data_ptr() not in seen:
+                        seen.add(tensor.data_ptr())
+                        tensors.append(tensor)
     return tensors
 
