@@ -127,6 +127,50 @@ def test_rejects_weights_it_cannot_read():
         cpu.linear(torch.randn(2, 5), cpu.pack_weight(torch.randn(3, 4)))
 
 
+def test_an_unavailable_kernel_keeps_nothing_of_its_callers_alive(monkeypatch):
+    """Why a kernel cannot run is kept as a message: a kept exception's traceback held the frames that asked for the
+    kernel and everything they referenced (an engine's weights and KV cache stayed in memory after its shutdown, one
+    whole engine more with each engine a process made: the 7B speculative bench ran out of memory on an AVX2 CPU)."""
+    import gc
+    import weakref
+
+    from mini_infer.kernels.build import KernelUnavailable
+
+    monkeypatch.setitem(cpu._KERNELS, "absent", cpu._Kernel("cpu_gemm.cpp", "gemm", [], None, [], ("no_such_flag",)))
+
+    class Held:  # stands for what a caller's frame holds
+        pass
+
+    def ask(held: Held) -> None:
+        with pytest.raises(KernelUnavailable, match="the CPU lacks no_such_flag"):
+            cpu.native_function("absent")
+
+    try:
+        for _ in range(2):  # the first lookup tries to load it, the second reads the kept outcome
+            held = Held()
+            alive = weakref.ref(held)
+            ask(held)
+            del held
+            gc.collect()
+            assert alive() is None
+    finally:
+        cpu._outcomes.pop("absent", None)
+
+
+def test_an_engine_shut_down_leaves_its_model_to_the_collector(tiny_model_dir):
+    import gc
+    import weakref
+
+    from mini_infer.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_args(str(tiny_model_dir), dtype="float32")
+    model = weakref.ref(engine.runner.model)
+    engine.shutdown()
+    del engine
+    gc.collect()
+    assert model() is None
+
+
 def test_build_failure_names_the_compiler_error(tmp_path, monkeypatch):
     from mini_infer.kernels.build import KernelUnavailable, build_library
 

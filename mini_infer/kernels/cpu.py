@@ -151,7 +151,9 @@ def weight_layout(path: str, dtype: torch.dtype) -> str:
 
 
 _HEADERS = ("bf16.h", "exp8.h", "avx512.h")  # what the sources include (part of each build's cache key)
-_outcomes: dict[str, Callable | KernelUnavailable] = {}  # per kernel name: its function, or why it cannot run
+# Per kernel name: its function, or why it cannot run (the message only: a stored exception would keep the frames of
+# its traceback alive, and with them whatever they held, a whole engine's weights and KV cache among them).
+_outcomes: dict[str, Callable | str] = {}
 
 
 def native_function(name: str):
@@ -161,10 +163,10 @@ def native_function(name: str):
         try:
             _outcomes[name] = _load(_KERNELS[name])
         except KernelUnavailable as e:
-            _outcomes[name] = e
+            _outcomes[name] = str(e)
     outcome = _outcomes[name]
-    if isinstance(outcome, KernelUnavailable):
-        raise outcome
+    if isinstance(outcome, str):
+        raise KernelUnavailable(outcome)
     return outcome
 
 
