@@ -8,11 +8,12 @@ the file's own vocabulary converted by transformers, as vLLM does), and `model.g
 model/gguf_weights.py loads. Everything else reads that directory as it reads any checkpoint's. The file is read by
 GGUFHeader, in one pass, with gguf-py's constants.
 
-The tensors' types are checked here, before anything loads: F32, F16 and BF16 load as they are, Q8_0 and Q4_0 into mini-
-infer's int8 and int4 layouts unchanged (groups of 32, a float16 scale each), Q4_K and Q6_K into the same layouts with
-their integers unchanged and their two-level scales multiplied out into float32 ones (model/gguf_weights.py); any other
-type is refused with the tensor's name. A file with quantised projections is a pre-quantised checkpoint
-(quantization_config "gguf"): it runs on the native kernels, in one tensor-parallel rank."""
+The tensors' types are checked here, before anything loads: F32, F16 and BF16 load as they are, Q8_0 and Q4_0 into
+mini-infer's int8 and int4 layouts unchanged (groups of 32, a float16 scale each), Q4_K and Q6_K into the same layouts
+with their integers unchanged and their two-level scales multiplied out into float32 ones (model/gguf_weights.py); any
+other type is refused with the tensor's name. A file with quantised projections is a pre-quantised checkpoint
+(quantization_config "gguf"): it runs on the native kernels, in one tensor-parallel rank.
+"""
 
 from __future__ import annotations
 

@@ -216,7 +216,7 @@ def test_q8_0_and_q4_0_load_as_llama_cpp_dequantises_and_run_as_the_float64_mode
         tmp_path, architecture, outtype):
     from gguf import GGUFReader
 
-    from mini_infer.model.gguf_weights import dequantize, named_tensors, quantized
+    from mini_infer.model.gguf_weights import named_tensors, quantized
 
     model = _model(architecture, seed=3 if outtype == "q8_0" else 4)
     path = write_gguf(model, tmp_path / "model.gguf", outtype)
@@ -224,7 +224,7 @@ def test_q8_0_and_q4_0_load_as_llama_cpp_dequantises_and_run_as_the_float64_mode
                for tensor in GGUFReader(str(path)).tensors if tensor.tensor_type.name == outtype.upper()}
     for _, tensor in named_tensors(GGUFHeader(path)):  # a MoE layer's experts one by one: "blk.N.ffn_up_exps[e]"
         if tensor.tensor_type.name == outtype.upper():
-            ours = dequantize(quantized(tensor)).numpy()
+            ours = quantized(tensor).dequantize().numpy()
             name, _, expert = tensor.name.partition("[")
             theirs = weights[name][int(expert[:-1])] if expert else weights[name]
             assert ours.shape == theirs.shape and np.array_equal(ours, theirs), tensor.name  # bit for bit

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from mini_infer.config import MoeConfig
 from mini_infer.factory.tokenizer import refresh_tokenizer_config, write_tokenizer
 from mini_infer.paths import cache_dir
 
@@ -268,24 +269,21 @@ def write_config(out_dir: str | os.PathLike, config: dict, layout: str = "publis
     _write_json(Path(out_dir) / "config.json", dict(sorted(data.items())))
 
 
-def _mlp_shapes(config: dict, layer: int) -> dict[str, tuple[int, ...]]:
+def _mlp_shapes(config: dict, moe: MoeConfig | None, layer: int) -> dict[str, tuple[int, ...]]:
     """Layer `layer`'s MLP tensors: the dense SwiGLU, or a sparse layer's router, experts (and Qwen2-MoE's shared
     expert and its gate), each expert under its own names as the published checkpoints store them."""
     hidden, prefix = config["hidden_size"], f"model.layers.{layer}.mlp"
-    sparse = "num_experts" in config and layer not in config["mlp_only_layers"] and (
-        (layer + 1) % config["decoder_sparse_step"] == 0)
-    if not sparse:
-        mlps = {prefix: config["intermediate_size"]}
+    if moe is None or not moe.sparse(layer):
+        mlps, shapes = {prefix: config["intermediate_size"]}, {}
     else:
-        mlps = {f"{prefix}.experts.{e}": config["moe_intermediate_size"] for e in range(config["num_experts"])}
-        if config.get("shared_expert_intermediate_size"):
-            mlps[f"{prefix}.shared_expert"] = config["shared_expert_intermediate_size"]
-    shapes = {f"{prefix}.gate.weight": (config["num_experts"], hidden)} if sparse else {}
+        mlps = {f"{prefix}.experts.{e}": moe.intermediate_size for e in range(moe.num_experts)}
+        shapes = {f"{prefix}.gate.weight": (moe.num_experts, hidden)}
+        if moe.shared_expert_intermediate_size:
+            mlps[f"{prefix}.shared_expert"] = moe.shared_expert_intermediate_size
+            shapes[f"{prefix}.shared_expert_gate.weight"] = (1, hidden)
     for name, inter in mlps.items():
         shapes |= {f"{name}.gate_proj.weight": (inter, hidden), f"{name}.up_proj.weight": (inter, hidden),
                    f"{name}.down_proj.weight": (hidden, inter)}
-    if sparse and config.get("shared_expert_intermediate_size"):
-        shapes[f"{prefix}.shared_expert_gate.weight"] = (1, hidden)
     return shapes
 
 
@@ -298,6 +296,7 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     q_size = config["num_attention_heads"] * head_dim
     kv_size = config["num_key_value_heads"] * head_dim
     biased = config["model_type"] in ("qwen2", "qwen2_moe")
+    moe = MoeConfig.from_dict(config, config["architectures"][0], "preset")  # which layers are sparse, and how
     shapes = {"model.embed_tokens.weight": (config["vocab_size"], hidden)}
     for i in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{i}"
@@ -311,7 +310,7 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
             f"{prefix}.self_attn.k_proj.weight": (kv_size, hidden),
             f"{prefix}.self_attn.v_proj.weight": (kv_size, hidden),
             f"{prefix}.self_attn.o_proj.weight": (hidden, q_size),
-            **_mlp_shapes(config, i),
+            **_mlp_shapes(config, moe, i),
             f"{prefix}.input_layernorm.weight": (hidden,),
             f"{prefix}.post_attention_layernorm.weight": (hidden,),
         }

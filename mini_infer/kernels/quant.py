@@ -160,14 +160,6 @@ class StackedParts:
 
     parts: tuple[QuantizedTensor, ...]
 
-    @property
-    def out_features(self) -> int:
-        return sum(part.out_features for part in self.parts)
-
-    @property
-    def in_features(self) -> int:
-        return self.parts[0].in_features
-
 
 @dataclass(frozen=True, slots=True)
 class QuantPanels:

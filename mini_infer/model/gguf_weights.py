@@ -16,7 +16,8 @@ float32 (Q4_K: int4 with zero points, 6 bits a weight against the file's 4.5; Q6
 against 6.56): the weights are llama.cpp's, in a wider layout than its own. A fused weight whose parts are of different
 types (a Q4_K_M file's Q4_K q and k with a Q6_K v) keeps them apart (StackedParts), each its own matmul. A quantised
 embedding is a lookup table, not a matmul: it is expanded to the model's dtype (exact in float32); the LM head keeps the
-file's type (the embedding's, when the head is tied)."""
+file's type (the embedding's, when the head is tied).
+"""
 
 from __future__ import annotations
 
@@ -71,11 +72,6 @@ def named_tensors(header: GGUFHeader):
             yield (f"model.layers.{match[1]}.mlp.experts.{e}.{_EXPERTS[match[2]]}.weight",
                    Tensor(f"{tensor.name}[{e}]", tensor.tensor_type, tensor.shape[:2],
                           tensor.bytes[e * size:(e + 1) * size]))
-
-
-def dequantize(q: QuantizedTensor) -> torch.Tensor:
-    """The float32 weights a quantised tensor stands for ([out_features, in_features])."""
-    return q.dequantize()
 
 
 def quantized(tensor) -> QuantizedTensor:
@@ -199,7 +195,7 @@ def load_gguf_weights(model: Qwen2ForCausalLM, config: ModelConfig, file: Path) 
         if name not in targets:
             continue  # another rank's tensor
         if is_quantized:  # (a tied head's embedding: the head's integers and scales, expanded)
-            value = dequantize(head if lm_head and head is not None else quantized(tensor))
+            value = (head if lm_head and head is not None else quantized(tensor)).dequantize()
         else:
             value = _float(tensor).reshape(shape)
         if name in permuted:

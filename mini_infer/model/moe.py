@@ -12,6 +12,7 @@ every rank and one all-reduce sums the ranks' partial outputs.
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -73,9 +74,7 @@ class SparseMoeBlock(nn.Module):
             tokens = order // self.top_k
             counts = torch.bincount(experts.flatten(), minlength=len(self.experts)).tolist()  # one host read a layer
             hit = [self.experts[e] for e, count in enumerate(counts) if count]
-            offsets = [0]
-            for count in filter(None, counts):
-                offsets.append(offsets[-1] + count)
+            offsets = [0, *accumulate(filter(None, counts))]
         with profiled("experts"):
             # Each expert with tokens once, on all of its rows, in expert index order; every token's outputs summed
             # in that order (transformers' index_add_ order).
