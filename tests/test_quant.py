@@ -19,6 +19,10 @@ pytestmark = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in (
 
 PATHS = tuple(quant.QUANT_KERNELS)
 METHODS = ("int8", "int4")
+# Two-level schemes as the GGUF K-quants load: Q4_K (int4 with mins, 8 groups of 32 a super-block), Q5_K (its 5-bit
+# q in bytes, with mins), Q6_K (int8 without mins, 16 groups of 16).
+TWO_LEVEL = {"q4_k": quant.Scheme(4, 32, True, torch.float16, 8), "q5_k": quant.Scheme(8, 32, True, torch.float16, 8),
+             "q6_k": quant.Scheme(8, 16, False, torch.float16, 16)}
 
 
 def skip_unless_runs(path: str) -> None:
@@ -63,6 +67,33 @@ def test_round_trip_error_is_within_half_a_step(method, scale_dtype, cols, inner
     assert torch.equal(qt.scales.to(scale_dtype).float(), qt.scales)  # held exactly in scale_dtype
 
 
+@pytest.mark.parametrize("name", TWO_LEVEL)
+@pytest.mark.parametrize("cols,inner", [(5, 32), (33, 300), (16, 512)])
+def test_two_level_scales_are_integers_under_float16_ones(name, cols, inner):
+    """A two-level quantisation (the K-quants' form): int8 sub-scales and mins under float16 ones per super-block, K
+    padded to whole super-blocks, integers in their range, and each weight within one step of its group (sub-scales
+    are rounded up, so a step is at most a little wider than the group needs)."""
+    scheme = TWO_LEVEL[name]
+    gen = torch.Generator().manual_seed(cols + inner)
+    weight = torch.randn(cols, inner, generator=gen) * torch.rand(cols, 1, generator=gen) * 3
+    weight[0, :8] = 0.0
+    qt = quant.quantize(weight, scheme, torch.float32)
+    unit = scheme.group * scheme.super_groups
+    padded = -(-inner // unit) * unit
+    assert qt.scheme == scheme and qt.q.shape == (cols, padded)
+    assert qt.super_scales.dtype == torch.float16 and qt.super_scales.shape == (cols, padded // unit)
+    assert qt.scales.dtype == torch.int8 and qt.scales.shape == (cols, padded // scheme.group)
+    assert int(qt.scales.min()) >= 0 and (qt.zeros is not None) == scheme.zeros == (qt.super_mins is not None)
+    low, high = (0, 15) if scheme.bits == 4 else ((0, 127) if scheme.zeros else (-127, 127))
+    assert low <= int(qt.q.min()) and int(qt.q.max()) <= high
+    step = (qt.super_scales.float().repeat_interleave(scheme.super_groups, dim=1) * qt.scales.float())
+    step = step.repeat_interleave(scheme.group, dim=1)[:, :inner]
+    mins_step = 0
+    if scheme.zeros:
+        mins_step = qt.super_mins.float().repeat_interleave(scheme.super_groups * scheme.group, dim=1)[:, :inner]
+    assert ((qt.dequantize() - weight).abs() <= step / 2 + mins_step / 2 + 1e-6).all()
+
+
 def test_unknown_method_is_refused():
     with pytest.raises(ValueError, match="quantization must be one of int8, int4"):
         quant.quantize(torch.ones(4, 4), "int3", torch.float32)
@@ -88,11 +119,13 @@ def reference_and_bound(x: torch.Tensor, qt: quant.QuantizedTensor, bias: torch.
     return expected, rounding + float_error
 
 
-# The kernel's schemes: the two quantised at load, and int4 with zero points (GPTQ / AWQ checkpoints).
-KERNEL_SCHEMES = (*METHODS, "int4-zeros")
+# The kernel's schemes: the two quantised at load, int4 with zero points (GPTQ / AWQ checkpoints), the K-quants'.
+KERNEL_SCHEMES = (*METHODS, "int4-zeros", *TWO_LEVEL)
 
 
 def quantized(weight: torch.Tensor, scheme: str, dtype: torch.dtype) -> quant.QuantizedTensor:
+    if scheme in TWO_LEVEL:
+        return quant.quantize(weight, TWO_LEVEL[scheme], torch.float32)
     if scheme == "int4-zeros":
         return quant.quantize(weight, quant.Scheme(4, 32, True, quant.scale_dtype(dtype)), quant.scale_dtype(dtype))
     return quant.quantize(weight, scheme, quant.scale_dtype(dtype))
@@ -179,17 +212,23 @@ def test_torch_int4_refuses_what_it_would_round_and_int8_groups():
     assert "groups of 32, 64, 128 or 256, not 512" in quant.torch_int4_available(
         quant.Scheme(4, 512, True, torch.float32), torch.float32)
     assert "int8" in quant.torch_int4_available(quant.method_scheme("int8", torch.float32), torch.float32)
+    assert "one level" in quant.torch_int4_available(TWO_LEVEL["q4_k"], torch.float32)
     with pytest.raises(ValueError, match="round"):
         quant.pack_torch_int4(qt, torch.bfloat16)
 
 
-@pytest.mark.parametrize("bits,group", [(3, 32), (8, 30), (4, 1024)])
-def test_kernel_refuses_bits_and_groups_out_of_range(bits, group):
+@pytest.mark.parametrize("bits,group,zeros,scale_dtype,super_groups", [
+    (3, 32, False, torch.float32, 0), (8, 30, False, torch.float32, 0), (4, 1024, False, torch.float32, 0),
+    (8, 32, False, torch.float16, 0),  # one level of float16 scales
+    (8, 32, False, torch.float32, 8),  # two levels whose top is not float16
+    (4, 32, False, torch.float16, 8),  # two-level int4 without mins
+])
+def test_kernel_refuses_what_it_has_no_layout_for(bits, group, zeros, scale_dtype, super_groups):
     skip_unless_runs("avx2")
-    packed = quant.pack_panels(quant.quantize(torch.randn(16, 32), "int8", torch.float32))
-    bad = quant.QuantPanels(packed.data, packed.scale_dtype, False, bits, group, 16, 32)
+    packed = quant.pack_panels(quant.quantize(torch.randn(16, 256), "int8", torch.float32))
+    bad = quant.QuantPanels(packed.data, scale_dtype, zeros, bits, group, 16, 256, None, super_groups)
     with pytest.raises(ValueError, match="refused"):
-        quant.quant_linear(torch.randn(1, 32), bad)
+        quant.quant_linear(torch.randn(1, 256), bad)
 
 
 @pytest.fixture(scope="module")

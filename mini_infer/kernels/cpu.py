@@ -33,12 +33,12 @@ DTYPES = (torch.bfloat16, torch.float32)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the kernels' dtype arguments
 PANEL = 16  # output columns per panel of a packed weight (cpu_gemm*.cpp)
 _P, _I, _F, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
-# gemm_quant(x, x_dtype, perm, panels, zeros, scale_dtype, bits, group, bias, bias_dtype, out, out_dtype, M, N, K,
-# prefetch, threads)
-_QUANT_ARGS = [_P, _I, _P, _P] + [_I] * 4 + [_P, _I, _P] + [_I] * 6
-# gemm_quant_grouped(x, x_dtype, panels (pointers), zeros, scale_dtype, bits, group, out, out_dtype, offsets, count,
-# N, K, prefetch, threads)
-_GROUPED_ARGS = [_P, _I, _P] + [_I] * 4 + [_P, _I, _P] + [_I] * 5
+# gemm_quant(x, x_dtype, perm, panels, zeros, scale_dtype, bits, group, super_groups, bias, bias_dtype, out, out_dtype,
+# M, N, K, prefetch, threads)
+_QUANT_ARGS = [_P, _I, _P, _P] + [_I] * 5 + [_P, _I, _P] + [_I] * 6
+# gemm_quant_grouped(x, x_dtype, panels (pointers), zeros, scale_dtype, bits, group, super_groups, out, out_dtype,
+# offsets, count, N, K, prefetch, threads)
+_GROUPED_ARGS = [_P, _I, _P] + [_I] * 5 + [_P, _I, _P] + [_I] * 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +99,7 @@ _KERNELS = {
 # of one source (AVX2, AVX-512BW, AVX512_VNNI), each with the matmul and the grouped matmul (several weights, each on
 # its rows of x, in one call).
 _QUANT_BUILDS = {
-    "": ([*_AVX2, "-DQUANT_AVX512=0"], ("avx2", "fma")),
+    "": ([*_AVX2, "-mf16c", "-DQUANT_AVX512=0"], ("avx2", "fma", "f16c")),  # F16C: two-level scales' float16
     "_avx512": ([*_AVX512, "-DQUANT_AVX512=1", "-DQUANT_VNNI=0"], ("avx2", "fma", "avx512f", "avx512bw", "avx512vl")),
     "_vnni": ([*_AVX512, "-mavx512vnni", "-DQUANT_AVX512=1", "-DQUANT_VNNI=1"],
               ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni")),

@@ -19,8 +19,8 @@ using Avx2Gemm = void (*)(const void*, int, const void*, int, const void*, int, 
 using Avx512Gemm = void (*)(const void*, int, const void*, const void*, int, void*, int, int, int, int, int, int);
 using Bf16Gemm = void (*)(const void*, const void*, const void*, int, void*, int, int, int, int, int, int);
 using AmxGemm = void (*)(const void*, const void*, const void*, int, void*, int, int, int, int, int);
-using QuantGemm = int (*)(const void*, int, const int32_t*, const void*, int, int, int, int, const void*, int, void*,
-                          int, int, int, int, int, int);
+using QuantGemm = int (*)(const void*, int, const int32_t*, const void*, int, int, int, int, int, const void*, int,
+                          void*, int, int, int, int, int, int);
 using NormFn = void (*)(const void*, const void*, const void*, void*, void*, int, int, int, float, int, int);
 using RopeFn = int (*)(const void*, const int64_t*, const void*, const void*, void*, void*, void*, const int64_t*,
                        int, int, int, int, int, int64_t, int64_t, int);
@@ -39,9 +39,10 @@ struct Matmul {
     int w_dtype;   // the packed weight's dtype (the AVX2 kernel reads either)
     int prefetch;  // the AVX-512 kernels' weight prefetch
     // A quantised weight's (kernels/quant.py; `weight` holds its panels): the columns' input features (or null: in
-    // order), whether the panels hold zero points, bits, group, the scales' dtype.
+    // order), whether the panels hold zero points (or mins), bits, group, groups per super-block (0: one level of
+    // scales), the scales' dtype.
     const int32_t* perm;
-    int zeros, bits, group, scale_dtype;
+    int zeros, bits, group, super_groups, scale_dtype;
 };
 
 struct Layer {
@@ -88,7 +89,7 @@ void matmul(const Matmul& m, const void* x, const void* bias, int dtype, void* o
             break;
         default:  // the arguments were checked when the stack was built (kernels/decoder.py)
             reinterpret_cast<QuantGemm>(m.kernel)(x, dtype, m.perm, m.weight, m.zeros, m.scale_dtype, m.bits, m.group,
-                                                   bias, dtype, out, dtype, M, N, K, m.prefetch, threads);
+                                                   m.super_groups, bias, dtype, out, dtype, M, N, K, m.prefetch, threads);
             break;
     }
 }

@@ -5,11 +5,15 @@
 // Formats (kernels/quant.py packs them), for each group of G consecutive k of a column n:
 //  - int8: w[n, k] = q[n, k] * scale[n, g], q signed 8-bit (symmetric).
 //  - int4: w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g], q an unsigned nibble (zero null: 0).
+// Two-level scales (llama.cpp's K-quants, S > 0 groups under each float16 scale): w[n, k] = q[n, k] * d[n, b] *
+// sc[n, g] - dmin[n, b] * m[n, g] for group g in super-block b = g / S, sc and m int8, d and dmin float16 (mins
+// optional: 0), q signed 8-bit (int8) or an unsigned nibble (int4, mins required).
 // Layout: panels of 16 output columns (columns past N are zero), each one run of bytes (`panel_layout`): its scales
-// [Kp / G, 16] float32 or bfloat16 (scale_dtype), then its zeros likewise (int4 with zero points), padded to a
+// [Kp / G, 16] float32 or bfloat16 (scale_dtype), then its zeros likewise (int4 with zero points) -- or, two-level,
+// d [Kp / (G S), 16] float16, dmin likewise, sc [Kp / G, 16] int8, m likewise --, padded to a
 // multiple of 64 bytes, then its q in steps of 64 bytes: 4 bytes per column of 4 k (int8: bytes k, k + 2, k + 1,
 // k + 3) or 8 k (int4: nibble d / 2 holds k + d for even d, 4 + d / 2 for odd d), so that in-lane shifts give int16
-// (k, k + 1) pairs. Kp: K rounded up to a multiple of G (the weights past K are zero). A tile of NP panels reads NP
+// (k, k + 1) pairs. Kp: K rounded up to a multiple of G, or of G S (the weights past K are zero). A tile of NP panels reads NP
 // streams (blocks of 8 panels whose steps alternated, one stream per tile, streamed 15-20 % slower at one row on a
 // Zen 4 EPYC). The scales inside the panel's run, not in an array of their own: read from there, one row's matmuls
 // over a 0.5B model's int8 weights streamed at 0.77-0.85 of the bf16 kernel's rate on a Zen 4, at 0.89-0.97 without
@@ -20,7 +24,7 @@
 // the power of two that puts the group's largest |x| in [2^14, 2^15) (a bf16 x at least 2^-7 of its group's largest
 // is exact; the rounding error is at most 2^-16 of the group's largest). A group's sum of xq * q (at most
 // G * 2^15 * 127 < 2^31 for G <= 512) is widened to float32 and added to the accumulator times scale * 2^e, and for
-// int4 x's float32 group sum times (zero - 8 * scale). Tiles of MR rows by NP panels; threads split the panels.
+// int4 x's float32 group sum times (zero - 8 * scale) (two-level: times -dmin * m, where there are mins). Tiles of MR rows by NP panels; threads split the panels.
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -34,7 +38,7 @@
 
 namespace {
 
-enum DType : int { F32 = 0, BF16 = 1 };
+enum DType : int { F32 = 0, BF16 = 1, F16 = 2 };  // F16: two-level scales' d and dmin only
 enum Bits : int { INT4 = 4, INT8 = 8 };
 enum Prefetch : int { NEAR = 0, FAR = 1 };  // as cpu_gemm_avx512.cpp's
 constexpr int PANEL = 16;
@@ -80,6 +84,13 @@ inline void scale_columns(const void* p, int dtype, VF* s) {
         s[0] = _mm512_loadu_ps(static_cast<const float*>(p));
     }
 }
+// 16 float16 values (F16C's conversion, exact) and 16 int8 ones as float32.
+inline void half_columns(const uint8_t* p, VF* s) {
+    s[0] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline void byte_columns(const uint8_t* p, VF* s) {
+    s[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 inline void store16(float* dst, const VF* v) { _mm512_storeu_ps(dst, v[0]); }
 inline float reduce_max(VF v) { return _mm512_reduce_max_ps(v); }
 inline float reduce_add(VF v) { return _mm512_reduce_add_ps(v); }
@@ -124,6 +135,13 @@ inline void scale_columns(const void* p, int dtype, VF* s) {
             s[h] = _mm256_loadu_ps(static_cast<const float*>(p) + 8 * h);
         }
     }
+}
+inline void half_columns(const uint8_t* p, VF* s) {
+    for (int h = 0; h < 2; ++h) s[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h)));
+}
+inline void byte_columns(const uint8_t* p, VF* s) {
+    for (int h = 0; h < 2; ++h)
+        s[h] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * h))));
 }
 inline void store16(float* dst, const VF* v) {
     _mm256_storeu_ps(dst, v[0]);
@@ -195,27 +213,43 @@ inline void prefetch(const uint8_t* step, int64_t at, int64_t panel_bytes, const
 constexpr int L = PANEL / LANES;  // vectors per panel
 
 // Where a panel's parts lie in its run of bytes.
+// Offsets in bytes; -1: absent.
 struct PanelLayout {
-    int64_t zeros;  // the zeros' offset, or -1 (none)
-    int64_t q;      // the q steps' offset
-    int64_t bytes;  // the whole panel
+    int64_t scales;      // the scales (two-level: sc)
+    int64_t zeros;       // the zeros (two-level: m)
+    int64_t supers;      // two-level: d
+    int64_t super_mins;  // two-level: dmin
+    int64_t q;           // the q steps
+    int64_t bytes;       // the whole panel
 };
 
-PanelLayout panel_layout(int bits, int G, int Kp, int scale_dtype, bool zeros) {
-    const int64_t block = static_cast<int64_t>(Kp / G) * PANEL * (scale_dtype == BF16 ? 2 : 4);
+// K rounded up to whole groups (one-level, S = 0) or whole super-blocks of S groups.
+inline int padded_k(int K, int G, int S) {
+    const int64_t unit = static_cast<int64_t>(G) * (S > 0 ? S : 1);
+    return static_cast<int>((K + unit - 1) / unit * unit);
+}
+
+PanelLayout panel_layout(int bits, int G, int S, int Kp, int scale_dtype, bool zeros) {
+    const int64_t groups = Kp / G, q_bytes = static_cast<int64_t>(Kp) * PANEL * bits / 8;
+    if (S > 0) {
+        const int64_t supers = groups / S * PANEL * 2, subs = groups * PANEL;
+        const int64_t scales = supers * (zeros ? 2 : 1), head = (scales + subs * (zeros ? 2 : 1) + 63) / 64 * 64;
+        return {scales, zeros ? scales + subs : -1, 0, zeros ? supers : -1, head, head + q_bytes};
+    }
+    const int64_t block = groups * PANEL * (scale_dtype == BF16 ? 2 : 4);
     const int64_t head = (block * (zeros ? 2 : 1) + 63) / 64 * 64;
-    return {zeros ? block : -1, head, head + static_cast<int64_t>(Kp) * PANEL * bits / 8};
+    return {0, zeros ? block : -1, -1, -1, head, head + q_bytes};
 }
 
 struct Problem {
     const int16_t* x;        // [M, Kp]: x rounded to int16 per group, zero past K
     const float* unit;       // [M, Kp / G]: 2^e of each row's group (x ~ xq * unit)
-    const float* xsum;       // int4: float32 [M, Kp / G], each group's sum of x; else null
+    const float* xsum;       // int4, or mins: float32 [M, Kp / G], each group's sum of x; else null
     const uint8_t* panels;   // ceil(N / 16) runs of layout.bytes
     PanelLayout layout;
     const float* bias;       // float32 [N] or null
     void* out;
-    int scale_dtype, out_dtype, M, N, Kp, G;
+    int scale_dtype, out_dtype, M, N, Kp, G, S;
 };
 
 inline void store_columns(const Problem& p, int m, int n0, const VF* acc) {
@@ -247,6 +281,7 @@ inline void tile(const Problem& p, int m0, int panel0, const uint8_t* limit) {
 #pragma GCC unroll 8
     for (int j = 0; j < NP; ++j) base[j] = p.panels + (panel0 + j) * p.layout.bytes + p.layout.q;
     const int scale_size = p.scale_dtype == BF16 ? 2 : 4;
+    const bool sums = p.xsum != nullptr;  // an offset times x's group sum: int4, or two-level with mins
     const int16_t* x = p.x + static_cast<int64_t>(m0) * p.Kp;
     for (int g = 0; g < groups; ++g) {
         VI sum[MR][NP][L];
@@ -277,16 +312,33 @@ inline void tile(const Problem& p, int m0, int panel0, const uint8_t* limit) {
 #pragma GCC unroll 8
         for (int j = 0; j < NP; ++j) {
             const uint8_t* panel = p.panels + (panel0 + j) * p.layout.bytes;
-            const int64_t at = static_cast<int64_t>(g) * PANEL * scale_size;
             VF s[L], offset[L];
-            scale_columns(panel + at, p.scale_dtype, s);
-            if constexpr (BITS == INT4) {
-                // sum holds x . q with q in 0..15: w = (q - 8) s + z adds (z - 8 s) times x's group sum.
-                const bool zeros = p.layout.zeros >= 0;
-                VF z[L];
-                if (zeros) scale_columns(panel + p.layout.zeros + at, p.scale_dtype, z);
+            if (p.S > 0) {
+                // s = d sc; with mins, w = q s - dmin m adds -dmin m times x's group sum.
+                const int64_t super = static_cast<int64_t>(g / p.S) * PANEL * 2, sub = static_cast<int64_t>(g) * PANEL;
+                VF d[L];
+                half_columns(panel + p.layout.supers + super, d);
+                byte_columns(panel + p.layout.scales + sub, s);
 #pragma GCC unroll 2
-                for (int h = 0; h < L; ++h) offset[h] = ffma(fset1(-8.0f), s[h], zeros ? z[h] : fzero());
+                for (int h = 0; h < L; ++h) s[h] = fmul(s[h], d[h]);
+                if (sums) {
+                    VF dmin[L], m[L];
+                    half_columns(panel + p.layout.super_mins + super, dmin);
+                    byte_columns(panel + p.layout.zeros + sub, m);
+#pragma GCC unroll 2
+                    for (int h = 0; h < L; ++h) offset[h] = fmul(fset1(-1.0f), fmul(dmin[h], m[h]));
+                }
+            } else {
+                const int64_t at = static_cast<int64_t>(g) * PANEL * scale_size;
+                scale_columns(panel + p.layout.scales + at, p.scale_dtype, s);
+                if constexpr (BITS == INT4) {
+                    // sum holds x . q with q in 0..15: w = (q - 8) s + z adds (z - 8 s) times x's group sum.
+                    const bool zeros = p.layout.zeros >= 0;
+                    VF z[L];
+                    if (zeros) scale_columns(panel + p.layout.zeros + at, p.scale_dtype, z);
+#pragma GCC unroll 2
+                    for (int h = 0; h < L; ++h) offset[h] = ffma(fset1(-8.0f), s[h], zeros ? z[h] : fzero());
+                }
             }
 #pragma GCC unroll 8
             for (int i = 0; i < MR; ++i) {
@@ -295,7 +347,7 @@ inline void tile(const Problem& p, int m0, int panel0, const uint8_t* limit) {
 #pragma GCC unroll 2
                 for (int h = 0; h < L; ++h) {
                     acc[i][j][h] = ffma(to_float(sum[i][j][h]), fmul(s[h], unit), acc[i][j][h]);
-                    if constexpr (BITS == INT4) acc[i][j][h] = ffma(fset1(p.xsum[row_group]), offset[h], acc[i][j][h]);
+                    if (sums) acc[i][j][h] = ffma(fset1(p.xsum[row_group]), offset[h], acc[i][j][h]);
                 }
             }
         }
@@ -371,14 +423,15 @@ struct RoundedRows {
     std::vector<float> unit, xsum;
 };
 
-// x [M, K] float32 or bfloat16 (read as x[:, perm] where perm is not null) rounded to int16 per group of G: as float32
-// rows of Kp first (zero past K; G a multiple of 8, so whole vectors of LANES where G allows, else one element at a
+// x [M, K] float32 or bfloat16 (read as x[:, perm] where perm is not null) rounded to int16 per group of G, with each
+// group's sum where `sums`: as float32 rows of Kp first (zero past K; G a multiple of 8, so whole vectors of LANES where G allows, else one element at a
 // time), then each group scaled by the power of two that puts its largest |x| in [2^14, 2^15).
-RoundedRows round_rows(const void* x, int x_dtype, const int32_t* perm, int bits, int G, int M, int K, int threads) {
-    const int Kp = (K + G - 1) / G * G, groups = Kp / G;
+RoundedRows round_rows(const void* x, int x_dtype, const int32_t* perm, bool sums, int G, int M, int K, int Kp,
+                       int threads) {
+    const int groups = Kp / G;
     RoundedRows r{std::vector<int16_t>(static_cast<size_t>(M) * Kp, 0),
                   std::vector<float>(static_cast<size_t>(M) * groups),
-                  std::vector<float>(bits == INT4 ? static_cast<size_t>(M) * groups : 0)};
+                  std::vector<float>(sums ? static_cast<size_t>(M) * groups : 0)};
     std::vector<float> x32(static_cast<size_t>(M) * Kp, 0.0f);
     for (int m = 0; m < M; ++m) {
         float* row = x32.data() + static_cast<size_t>(m) * Kp;
@@ -419,7 +472,7 @@ RoundedRows round_rows(const void* x, int x_dtype, const int32_t* perm, int bits
             const float step = largest > 0.0f ? ldexpf(1.0f, exponent - 15) : 1.0f;
             const size_t at = static_cast<size_t>(m) * groups + g;
             r.unit[at] = step;
-            if (bits == INT4) r.xsum[at] = total;
+            if (sums) r.xsum[at] = total;
             int16_t* dst = r.xq.data() + static_cast<size_t>(m) * Kp + g * G;
             if (whole) {
                 const VF inverse = fset1(1.0f / step);  // a power of two: exact
@@ -434,8 +487,13 @@ RoundedRows round_rows(const void* x, int x_dtype, const int32_t* perm, int bits
     return r;
 }
 
-bool refused(int bits, int G, int zeros, std::initializer_list<int> dtypes) {
-    if ((bits != INT8 && bits != INT4) || G < 8 || G % 8 || G > MAX_GROUP || (bits == INT8 && zeros)) return true;
+// One-level (S = 0): float32 or bfloat16 scales, zero points for int4 only. Two-level (S > 0): float16 d (and dmin),
+// mins optional for int8 and required for int4 (whose q carry no offset of 8 there).
+bool refused(int bits, int G, int S, int zeros, int scale_dtype, std::initializer_list<int> dtypes) {
+    if ((bits != INT8 && bits != INT4) || G < 8 || G % 8 || G > MAX_GROUP || S < 0 || S > 64) return true;
+    if (S == 0 ? (scale_dtype != F32 && scale_dtype != BF16) || (bits == INT8 && zeros)
+               : scale_dtype != F16 || (bits == INT4 && !zeros))
+        return true;
     for (int dtype : dtypes)
         if (dtype != F32 && dtype != BF16) return true;
     return false;
@@ -444,20 +502,22 @@ bool refused(int bits, int G, int zeros, std::initializer_list<int> dtypes) {
 }  // namespace
 
 // x [M, K] float32 or bfloat16, read as x[:, perm] where perm (int32 [K], a permutation of 0..K-1: a GPTQ
-// checkpoint's act-order columns) is not null; panels as above (zeros: whether they hold zero points, int4 only);
-// bits 8 or 4; group G (a multiple of 8, at most 512) divides Kp = K rounded up to a multiple of G. Returns 0, or 1
-// (nothing written) where bits, G or the dtypes are out of range.
+// checkpoint's act-order columns) is not null; panels as above (zeros: whether they hold zero points, int4 only, or
+// two-level mins); bits 8 or 4; group G (a multiple of 8, at most 512); S groups per super-block of two-level scales
+// (scale_dtype float16), or 0 (one level). Returns 0, or 1 (nothing written) where bits, G, S or the dtypes are out of
+// range.
 extern "C" int gemm_quant(const void* x, int x_dtype, const int32_t* perm, const void* panels, int zeros,
-                          int scale_dtype, int bits, int G, const void* bias, int bias_dtype, void* out, int out_dtype,
-                          int M, int N, int K, int prefetch_mode, int threads) {
-    if (refused(bits, G, zeros, {x_dtype, scale_dtype, out_dtype}) || M < 0 || N < 1 || K < 1) return 1;
+                          int scale_dtype, int bits, int G, int S, const void* bias, int bias_dtype, void* out,
+                          int out_dtype, int M, int N, int K, int prefetch_mode, int threads) {
+    if (refused(bits, G, S, zeros, scale_dtype, {x_dtype, out_dtype}) || M < 0 || N < 1 || K < 1) return 1;
     if (M == 0) return 0;
-    const int Kp = (K + G - 1) / G * G;
-    const RoundedRows rows = round_rows(x, x_dtype, perm, bits, G, M, K, threads);
+    const int Kp = padded_k(K, G, S);
+    const bool sums = bits == INT4 || zeros;
+    const RoundedRows rows = round_rows(x, x_dtype, perm, sums, G, M, K, Kp, threads);
     const std::vector<float> bias32 = bias_as_f32(bias, bias_dtype, N);
-    const Problem p{rows.xq.data(), rows.unit.data(), bits == INT4 ? rows.xsum.data() : nullptr,
-                    static_cast<const uint8_t*>(panels), panel_layout(bits, G, Kp, scale_dtype, zeros != 0),
-                    bias ? bias32.data() : nullptr, out, scale_dtype, out_dtype, M, N, Kp, G};
+    const Problem p{rows.xq.data(), rows.unit.data(), sums ? rows.xsum.data() : nullptr,
+                    static_cast<const uint8_t*>(panels), panel_layout(bits, G, S, Kp, scale_dtype, zeros != 0),
+                    bias ? bias32.data() : nullptr, out, scale_dtype, out_dtype, M, N, Kp, G, S};
     const bool far = prefetch_mode == FAR;
     if (bits == INT8) far ? run<INT8, FAR>(p, threads) : run<INT8, NEAR>(p, threads);
     else far ? run<INT4, FAR>(p, threads) : run<INT4, NEAR>(p, threads);
@@ -468,25 +528,26 @@ extern "C" int gemm_quant(const void* x, int x_dtype, const int32_t* perm, const
 // each on the tokens routed to it): weight j (panels[j]) multiplies rows offsets[j] .. offsets[j + 1] of x [M, K]
 // into the same rows of out [M, N] (M = offsets[count]); x rounded once, and one parallel region in which the
 // threads share out every weight's panels evenly (a weight's rows computed as gemm_quant computes them). No perm,
-// no bias. Returns 0, or 1 (nothing written) where bits, G or the dtypes are out of range.
+// no bias. Returns 0, or 1 (nothing written) where bits, G, S or the dtypes are out of range.
 extern "C" int gemm_quant_grouped(const void* x, int x_dtype, const void* const* panels, int zeros, int scale_dtype,
-                                  int bits, int G, void* out, int out_dtype, const int32_t* offsets, int count, int N,
-                                  int K, int prefetch_mode, int threads) {
-    if (refused(bits, G, zeros, {x_dtype, scale_dtype, out_dtype}) || count < 0 || N < 1 || K < 1) return 1;
+                                  int bits, int G, int S, void* out, int out_dtype, const int32_t* offsets, int count,
+                                  int N, int K, int prefetch_mode, int threads) {
+    if (refused(bits, G, S, zeros, scale_dtype, {x_dtype, out_dtype}) || count < 0 || N < 1 || K < 1) return 1;
     const int M = count > 0 ? offsets[count] : 0;
     if (M == 0) return 0;
-    const int Kp = (K + G - 1) / G * G, groups = Kp / G, per = (N + PANEL - 1) / PANEL;
-    const RoundedRows rows = round_rows(x, x_dtype, nullptr, bits, G, M, K, threads);
-    const PanelLayout layout = panel_layout(bits, G, Kp, scale_dtype, zeros != 0);
+    const int Kp = padded_k(K, G, S), groups = Kp / G, per = (N + PANEL - 1) / PANEL;
+    const bool sums = bits == INT4 || zeros;
+    const RoundedRows rows = round_rows(x, x_dtype, nullptr, sums, G, M, K, Kp, threads);
+    const PanelLayout layout = panel_layout(bits, G, S, Kp, scale_dtype, zeros != 0);
     const int64_t out_row = static_cast<int64_t>(N) * (out_dtype == BF16 ? 2 : 4);
     std::vector<Problem> problems;
     for (int j = 0; j < count; ++j) {
         const int64_t first = offsets[j];
         problems.push_back({rows.xq.data() + first * Kp, rows.unit.data() + first * groups,
-                            bits == INT4 ? rows.xsum.data() + first * groups : nullptr,
+                            sums ? rows.xsum.data() + first * groups : nullptr,
                             static_cast<const uint8_t*>(panels[j]), layout, nullptr,
                             static_cast<uint8_t*>(out) + first * out_row, scale_dtype, out_dtype,
-                            offsets[j + 1] - offsets[j], N, Kp, G});
+                            offsets[j + 1] - offsets[j], N, Kp, G, S});
     }
     const int64_t total = static_cast<int64_t>(per) * count;
     const bool far = prefetch_mode == FAR;

@@ -21,7 +21,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int
 
 class _Matmul(ctypes.Structure):
     _fields_ = [("kernel", _P), ("weight", _P), ("kind", _I), ("w_dtype", _I), ("prefetch", _I), ("perm", _P),
-                ("zeros", _I), ("bits", _I), ("group", _I), ("scale_dtype", _I)]
+                ("zeros", _I), ("bits", _I), ("group", _I), ("super_groups", _I), ("scale_dtype", _I)]
 
 
 class _Layer(ctypes.Structure):
@@ -124,7 +124,7 @@ class DecoderStack:
             kernel, prefetch = quant.QUANT_KERNELS[path]
             perm = weight.perm.data_ptr() if weight.perm is not None else None
             return _Matmul(_address(kernel), weight.data.data_ptr(), _QUANT_KIND, 0, prefetch, perm, int(weight.zeros),
-                           weight.bits, weight.group, cpu.DTYPE_CODES[weight.scale_dtype])
+                           weight.bits, weight.group, weight.super_groups, quant.SCALE_CODES[weight.scale_dtype])
         kernel = cpu.matmul_kernel(dtype, weight, path)
         prefetch = cpu.MATMUL_PATHS[path].prefetch
         return _Matmul(_address(kernel), weight.data.data_ptr(), cpu.GEMM_KINDS[kernel],

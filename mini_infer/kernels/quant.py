@@ -5,6 +5,10 @@
   (scale = the group's largest |w|, signed, / -8), torch's int4 form with zero points 0, so its
   `_weight_int4pack_mm_for_cpu` computes the same weights. Pre-quantised checkpoints (model/prequantized.py) add int4
   with a zero point per group, w = (q - 8) * scale + zero.
+- two-level (llama.cpp's K-quants, read from GGUF files: model/gguf_weights.py): int8 scales sc (and mins m) per group,
+  under float16 ones d (and dmin) per super-block of `super_groups` groups, w = q * d * sc - dmin * m; q int8 (Q6_K's
+  q - 32, Q5_K's 0..31) or 0..15 in int4 (Q4_K, with mins). The kernel reads the two levels as they are
+  (docs/decisions/027-k-quant-layout.md).
 
 A weight is quantised once into a `QuantizedTensor` (the integers and per-group scales, row-major), from which each
 matmul that can run it takes its own packed copy: mini-infer's kernel (cpu_gemm_quant.cpp, AVX2 or AVX-512: x rounded
@@ -49,11 +53,15 @@ class Scheme:
 
     bits: int  # 8 (int8, symmetric) or 4
     group: int  # inputs per scale
-    zeros: bool  # int4 with a zero point per group (else (q - 8) * scale)
-    scale_dtype: torch.dtype  # the dtype whose values the scales and zeros hold
+    zeros: bool  # int4 with a zero point per group (else (q - 8) * scale); two-level: with mins
+    scale_dtype: torch.dtype  # the dtype whose values the scales and zeros hold (two-level: float16, d's and dmin's)
+    super_groups: int = 0  # groups per super-block of two-level scales, or 0 (one level)
 
     @property
     def name(self) -> str:
+        if self.super_groups:
+            mins = " with mins" if self.zeros else ""
+            return f"int{self.bits} g{self.group}{mins}, int8 scales under float16 ones per {self.super_groups} groups"
         zeros = " with zero points" if self.zeros else ""
         return f"int{self.bits} g{self.group}{zeros}, {str(self.scale_dtype).removeprefix('torch.')} scales"
 
@@ -70,7 +78,11 @@ class QuantizedTensor:
     """A quantised [N, K] weight, row-major: q [N, Kp] (int8 for int8; uint8 holding 0..15 for int4), scales and
     zeros (int4 only, or None: 0) float32 [N, Kp / group]; Kp is K rounded up to a multiple of the group, the
     padding's q (and so its weight) zero. With `perm` (int64 [K]; a GPTQ checkpoint's act-order groups), column j
-    holds input feature perm[j]: the matmul reads x[:, perm]."""
+    holds input feature perm[j]: the matmul reads x[:, perm].
+
+    Two-level (super_groups > 0): scales and zeros are int8 [N, Kp / group], sc and the mins m (or None), under
+    super_scales and super_mins float16 [N, Kp / (group * super_groups)], d and dmin; Kp is K rounded up to whole
+    super-blocks; w = q * d * sc - dmin * m."""
 
     q: torch.Tensor
     scales: torch.Tensor
@@ -80,6 +92,9 @@ class QuantizedTensor:
     in_features: int
     scale_dtype: torch.dtype  # the dtype whose values the scales and zeros hold (bf16, fp16 or fp32)
     perm: torch.Tensor | None = None
+    super_scales: torch.Tensor | None = None
+    super_mins: torch.Tensor | None = None
+    super_groups: int = 0
 
     @property
     def out_features(self) -> int:
@@ -87,10 +102,26 @@ class QuantizedTensor:
 
     @property
     def scheme(self) -> Scheme:
-        return Scheme(self.bits, self.group, self.zeros is not None, self.scale_dtype)
+        return Scheme(self.bits, self.group, self.zeros is not None, self.scale_dtype, self.super_groups)
+
+    def row_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors with a row per output feature, by field name (for dataclasses.replace)."""
+        fields = {"q": self.q, "scales": self.scales, "zeros": self.zeros, "super_scales": self.super_scales,
+                  "super_mins": self.super_mins}
+        return {name: t for name, t in fields.items() if t is not None}
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 weight [N, K] this stands for: q * scale, or (q - 8) * scale + zero (columns in input order)."""
+        """The float32 weight [N, K] this stands for: q * scale, or (q - 8) * scale + zero, or two-level
+        q * d * sc - dmin * m (columns in input order)."""
+        if self.super_groups:
+            def per_k(sub: torch.Tensor, top: torch.Tensor) -> torch.Tensor:  # d * sc per column k, float32 (exact)
+                return (top.float().repeat_interleave(self.super_groups, dim=1) * sub.float()).repeat_interleave(
+                    self.group, dim=1)
+
+            weight = self.q.float() * per_k(self.scales, self.super_scales)
+            if self.zeros is not None:
+                weight = weight - per_k(self.zeros, self.super_mins)
+            return weight[:, : self.in_features]
         scales = self.scales.repeat_interleave(self.group, dim=1)
         if self.bits == 8:
             weight = self.q.float() * scales
@@ -122,14 +153,20 @@ def quantize(weight: torch.Tensor, method: str | Scheme, scale_dtype: torch.dtyp
     or a Scheme: its bits, group, zero points and scale dtype, `scale_dtype` then unused)."""
     scheme = method if isinstance(method, Scheme) else method_scheme(method, scale_dtype)
     scale_dtype = scheme.scale_dtype
-    if scheme.bits not in (4, 8) or (scheme.bits == 8 and scheme.zeros):
+    if scheme.super_groups:
+        if scheme.scale_dtype != torch.float16 or (scheme.bits == 4 and not scheme.zeros) or scheme.bits not in (4, 8):
+            raise ValueError(f"quantize: no two-level scheme {scheme.name} with {scheme.scale_dtype} scales")
+    elif scheme.bits not in (4, 8) or (scheme.bits == 8 and scheme.zeros):
         raise ValueError(f"quantize: no int{scheme.bits} scheme{' with zero points' if scheme.zeros else ''}")
     if weight.dim() != 2 or not weight.is_floating_point():
         raise ValueError(f"quantize takes a 2-d float weight, got {tuple(weight.shape)} {weight.dtype}")
     group = scheme.group
     out_features, in_features = weight.shape
-    padded = -(-in_features // group) * group
+    unit = group * max(scheme.super_groups, 1)
+    padded = -(-in_features // unit) * unit
     w = F.pad(weight.float(), (0, padded - in_features)).view(out_features, padded // group, group)
+    if scheme.super_groups:
+        return _two_level(w, scheme, in_features)
 
     def rounded(t: torch.Tensor) -> torch.Tensor:
         return t.to(scale_dtype).float()
@@ -153,6 +190,38 @@ def quantize(weight: torch.Tensor, method: str | Scheme, scale_dtype: torch.dtyp
     return QuantizedTensor(q.view(out_features, padded), scales, zeros, 4, group, in_features, scale_dtype)
 
 
+def _two_level(w: torch.Tensor, scheme: Scheme, in_features: int) -> QuantizedTensor:
+    """w [N, groups, group] in two levels: each group's scale s (and min mn >= 0, the part of its range below 0)
+    split into d * sc, with d one float16 per super-block sized so that sc <= 127 and sc rounded up (d * sc >= s, so
+    that q stays in range); mins as dmin * m, m rounded to nearest. q: int8 in [-127, 127] without mins, [0, 127]
+    with; int4 (mins required) [0, 15]."""
+    rows, groups, _ = w.shape
+    supers, top = groups // scheme.super_groups, (15 if scheme.bits == 4 else 127)
+
+    def split(values: torch.Tensor, up: bool) -> tuple[torch.Tensor, torch.Tensor]:  # [N, groups] -> (d, int8)
+        by_super = values.view(rows, supers, scheme.super_groups)
+        d = (by_super.amax(dim=-1) / (126 if up else 127)).to(torch.float16)  # one below 127: room for rounding up
+        safe = torch.where(d == 0, torch.ones_like(d), d).float()[..., None]
+        ratio = by_super / safe
+        sub = (torch.ceil(ratio) if up else torch.round(ratio)).clamp_(0, 127).to(torch.int8)
+        return d, sub.view(rows, groups)
+
+    if scheme.zeros:
+        mins = (-w.amin(dim=-1)).clamp_(min=0)
+        dmin, m = split(mins, up=False)
+        mins = (dmin.float().repeat_interleave(scheme.super_groups, dim=1) * m.float())[..., None]
+        d, sc = split((w.amax(dim=-1) + mins[..., 0]).clamp_(min=0) / top, up=True)
+    else:
+        mins, dmin, m = 0.0, None, None
+        d, sc = split(w.abs().amax(dim=-1) / top, up=True)
+    scales = (d.float().repeat_interleave(scheme.super_groups, dim=1) * sc.float())[..., None]
+    safe = torch.where(scales == 0, torch.ones_like(scales), scales)
+    q = torch.round((w + mins) / safe).clamp_(0 if scheme.zeros else -top, top)
+    q = q.to(torch.uint8 if scheme.bits == 4 else torch.int8).view(rows, -1)
+    return QuantizedTensor(q, sc, m, scheme.bits, scheme.group, in_features, torch.float16, None, d, dmin,
+                           scheme.super_groups)
+
+
 @dataclass(frozen=True, slots=True)
 class StackedParts:
     """A fused weight (q, k, v; gate, up) whose parts are quantised differently (a GGUF Q4_K_M file's Q4_K q and k
@@ -168,16 +237,18 @@ class QuantPanels:
     float32), its zeros likewise (int4 with zero points), zero-padded to a multiple of 64 bytes, then its q in steps
     of 4 bytes per column holding 4 k (int8, in the order k, k + 2, k + 1, k + 3) or 8 k (int4, k + d in nibble d / 2
     for even d and 4 + d / 2 for odd d), [Kp / 4 or Kp / 8, 16, 4] bytes; perm int32 [K] as QuantizedTensor's, or
-    None."""
+    None. Two-level: d, dmin (float16, [Kp / (group * super_groups), 16] each), sc, m (int8, [Kp / group, 16]) in the
+    head instead."""
 
     data: torch.Tensor
-    scale_dtype: torch.dtype  # the scales' and zeros' storage: bfloat16 or float32
+    scale_dtype: torch.dtype  # the scales' and zeros' storage: bfloat16 or float32 (two-level: float16, d's)
     zeros: bool
     bits: int
     group: int
     out_features: int
     in_features: int
     perm: torch.Tensor | None = None
+    super_groups: int = 0
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.data, self.perm) if t is not None]
@@ -204,14 +275,19 @@ def pack_panels(qt: QuantizedTensor) -> QuantPanels:
         shifts = 4 * torch.tensor(_INT4_NIBBLE, dtype=torch.int64)
         value = (nibbles << shifts).sum(dim=-1)  # the 32-bit word, little-endian bytes below
         words = torch.stack([(value >> (8 * b)) & 0xFF for b in range(4)], dim=-1).to(torch.uint8)
-    stored = torch.bfloat16 if qt.scale_dtype == torch.bfloat16 else torch.float32
     q = _panels(words)
-    head = [_panels(t.to(stored)).view(q.shape[0], -1).view(torch.uint8)
-            for t in (qt.scales, qt.zeros) if t is not None]
+    if qt.super_groups:
+        stored = torch.float16
+        parts = [qt.super_scales, qt.super_mins, qt.scales, qt.zeros]  # float16 d, dmin, then int8 sc, m
+    else:
+        stored = torch.bfloat16 if qt.scale_dtype == torch.bfloat16 else torch.float32
+        parts = [t.to(stored) for t in (qt.scales, qt.zeros) if t is not None]
+    head = [_panels(t.contiguous()).view(q.shape[0], -1).view(torch.uint8) for t in parts if t is not None]
     head.append(q.new_zeros(q.shape[0], -sum(t.shape[1] for t in head) % 64))
     data = torch.cat([*head, q.view(q.shape[0], -1)], dim=1)
     perm = qt.perm.to(torch.int32).contiguous() if qt.perm is not None else None
-    return QuantPanels(data, stored, qt.zeros is not None, qt.bits, qt.group, qt.out_features, qt.in_features, perm)
+    return QuantPanels(data, stored, qt.zeros is not None, qt.bits, qt.group, qt.out_features, qt.in_features, perm,
+                       qt.super_groups)
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +311,8 @@ def torch_int4_available(scheme: Scheme, dtype: torch.dtype) -> str | None:
     """None where torch's int4 matmul computes exactly the weights of `scheme` for `dtype` activations, else why not."""
     if scheme.bits != 4:
         return "torch has no CPU matmul for group-wise int8 weights (_weight_int8pack_mm scales per channel only)"
+    if scheme.super_groups:
+        return "torch's int4 matmul takes one level of scales, not int8 ones under float16 ones"
     if scheme.group not in (32, 64, 128, 256):
         return f"torch's int4 matmul takes groups of 32, 64, 128 or 256, not {scheme.group}"
     exact = scheme.scale_dtype == dtype or dtype == torch.float32  # bf16 and fp16 values are float32 ones
@@ -274,6 +352,7 @@ def torch_int4_linear(x: torch.Tensor, weight: TorchInt4Pack, bias: torch.Tensor
 
 # The native paths for quantised weights, named as the float ones (kernels/cpu.py): the AVX2, AVX-512BW and
 # AVX512_VNNI builds, each with the weight stream prefetched NEAR (into L1) or FAR (into L2).
+SCALE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the kernels' scale_dtype argument
 QUANT_KERNELS = {"avx2": ("gemm_quant", 0), "avx2/far": ("gemm_quant", 1), "avx512": ("gemm_quant_avx512", 0),
                  "avx512/far": ("gemm_quant_avx512", 1), "avx512_vnni": ("gemm_quant_vnni", 0),
                  "avx512_vnni/far": ("gemm_quant_vnni", 1)}
@@ -303,9 +382,9 @@ def quant_linear(x: torch.Tensor, weight: QuantPanels, bias: torch.Tensor | None
     bias_args = (bias.contiguous().data_ptr(), cpu.DTYPE_CODES[bias.dtype]) if bias is not None else (None, 0)
     perm = weight.perm.data_ptr() if weight.perm is not None else None
     if cpu.native_function(kernel)(x.data_ptr(), cpu.DTYPE_CODES[x.dtype], perm, weight.data.data_ptr(),
-                                   int(weight.zeros), cpu.DTYPE_CODES[weight.scale_dtype], weight.bits, weight.group,
-                                   *bias_args, out.data_ptr(), cpu.DTYPE_CODES[x.dtype], x.shape[0],
-                                   weight.out_features, x.shape[1], prefetch, torch.get_num_threads()):
+                                   int(weight.zeros), SCALE_CODES[weight.scale_dtype], weight.bits, weight.group,
+                                   weight.super_groups, *bias_args, out.data_ptr(), cpu.DTYPE_CODES[x.dtype],
+                                   x.shape[0], weight.out_features, x.shape[1], prefetch, torch.get_num_threads()):
         raise ValueError(f"quantised linear: the kernel refused bits {weight.bits}, group {weight.group}")
     return out
 
@@ -318,8 +397,9 @@ def quant_linear_grouped(x: torch.Tensor, weights: list[QuantPanels], offsets: l
     first = weights[0]
     if (x.dim() != 2 or x.shape[1] != first.in_features or x.dtype not in cpu.DTYPE_CODES or path not in QUANT_KERNELS
             or len(offsets) != len(weights) + 1 or offsets[-1] != x.shape[0]
-            or any((w.bits, w.group, w.zeros, w.scale_dtype, w.out_features, w.in_features, w.perm) != (
-                first.bits, first.group, first.zeros, first.scale_dtype, first.out_features, first.in_features, None)
+            or any((w.bits, w.group, w.super_groups, w.zeros, w.scale_dtype, w.out_features, w.in_features, w.perm)
+                   != (first.bits, first.group, first.super_groups, first.zeros, first.scale_dtype, first.out_features,
+                       first.in_features, None)
                 for w in weights)):
         raise ValueError(f"grouped quantised linear: x {tuple(x.shape)} {x.dtype} on path {path!r} with offsets "
                          f"{offsets} does not match {len(weights)} weights like int{first.bits} "
@@ -330,8 +410,8 @@ def quant_linear_grouped(x: torch.Tensor, weights: list[QuantPanels], offsets: l
     panels = (ctypes.c_void_p * len(weights))(*(w.data.data_ptr() for w in weights))
     starts = (ctypes.c_int32 * len(offsets))(*offsets)
     grouped = cpu.native_function(f"gemm_quant_grouped{kernel.removeprefix('gemm_quant')}")  # the same build's
-    if grouped(x.data_ptr(), cpu.DTYPE_CODES[x.dtype], panels, int(first.zeros), cpu.DTYPE_CODES[first.scale_dtype],
-               first.bits, first.group, out.data_ptr(), cpu.DTYPE_CODES[x.dtype], starts, len(weights),
-               first.out_features, x.shape[1], prefetch, torch.get_num_threads()):
+    if grouped(x.data_ptr(), cpu.DTYPE_CODES[x.dtype], panels, int(first.zeros), SCALE_CODES[first.scale_dtype],
+               first.bits, first.group, first.super_groups, out.data_ptr(), cpu.DTYPE_CODES[x.dtype], starts,
+               len(weights), first.out_features, x.shape[1], prefetch, torch.get_num_threads()):
         raise ValueError(f"grouped quantised linear: the kernel refused bits {first.bits}, group {first.group}")
     return out
