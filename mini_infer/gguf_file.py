@@ -9,9 +9,9 @@ model/gguf_weights.py loads. Everything else reads that directory as it reads an
 GGUFHeader, in one pass, with gguf-py's constants.
 
 The tensors' types are checked here, before anything loads: F32, F16 and BF16 load as they are, Q8_0 and Q4_0 into
-mini-infer's int8 and int4 layouts unchanged (groups of 32, a float16 scale each), Q4_K and Q6_K into the same layouts
-with their integers unchanged and their two-level scales multiplied out into float32 ones (model/gguf_weights.py); any
-other type is refused with the tensor's name. A file with quantised projections is a pre-quantised checkpoint
+mini-infer's int8 and int4 layouts unchanged (groups of 32, a float16 scale each), the K-quants Q4_K, Q5_K and Q6_K
+into the same kernels' two-level layout with their integers and scales unchanged (model/gguf_weights.py); any other
+type is refused with the tensor's name. A file with quantised projections is a pre-quantised checkpoint
 (quantization_config "gguf"): it runs on the native kernels, in one tensor-parallel rank.
 """
 
@@ -33,8 +33,9 @@ ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llam
                  "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # type -> the bits of the int8 / int4 layout it loads into (model/gguf_weights.py): Q8_0 and Q4_0 as they are, the
-# K-quants Q4_K (4-bit q, a scale and a min per 32) and Q6_K (6-bit q, a scale per 16) with their scales multiplied out
-QUANTIZED_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_K": 4, "Q6_K": 8}
+# K-quants Q4_K (4-bit q, a scale and a min per 32), Q5_K (5-bit q, the same) and Q6_K (6-bit q, a scale per 16) with
+# their two levels of scales
+QUANTIZED_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_K": 4, "Q5_K": 8, "Q6_K": 8}
 GROUP = 32
 LINK = "model.gguf"  # the link to the file in its model directory
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")

@@ -41,7 +41,7 @@ def write_gguf(model, path: Path, outtype: str = "f32", tokenizer_dir: Path | No
                k_quants: dict[str, str] | None = None) -> Path:
     """`model` (a transformers model) as a GGUF file: 2-D weights in `outtype`, 1-D tensors F32 (as the converter
     writes them), with the tokenizer of `tokenizer_dir` as GGUF vocabulary metadata when given. `k_quants`: HF name
-    suffix -> Q4_K / Q6_K for the weights to write as random blocks of that type (gguf-py has no K-quant quantiser;
+    suffix -> Q4_K / Q5_K / Q6_K for the weights to write as random blocks of that type (gguf-py has no K-quant quantiser;
     the file's weights are then those blocks, not the model's)."""
     config = model.config
     arch = getattr(gguf.MODEL_ARCH, ARCHS[config.model_type])
@@ -92,14 +92,14 @@ def write_gguf(model, path: Path, outtype: str = "f32", tokenizer_dir: Path | No
 
 
 def random_k_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
-    """[rows, cols / 256 blocks' bytes] of Q4_K or Q6_K with random integers, scales and mins, their float16 d
+    """[rows, cols / 256 blocks' bytes] of Q4_K, Q5_K or Q6_K with random integers, scales and mins, their float16 d
     (and dmin) chosen so that the weights come out near the test models' (|w| up to ~0.3)."""
     rng = np.random.default_rng(seed)
-    size = {"Q4_K": 144, "Q6_K": 210}[kind]
+    size = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[kind]
     blocks = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
     d = rng.uniform(0.5, 1.0, size=(rows, cols // 256)).astype(np.float16)
-    if kind == "Q4_K":  # d sc q - dmin m, sc and m in 0..63, q in 0..15
-        blocks[:, :, 0:2] = (d * np.float16(3e-4)).view(np.uint8).reshape(rows, -1, 2)
+    if kind in ("Q4_K", "Q5_K"):  # d sc q - dmin m, sc and m in 0..63, q in 0..15 (Q5_K: 0..31)
+        blocks[:, :, 0:2] = (d * np.float16(3e-4 if kind == "Q4_K" else 1.5e-4)).view(np.uint8).reshape(rows, -1, 2)
         blocks[:, :, 2:4] = (d * np.float16(2e-3)).view(np.uint8).reshape(rows, -1, 2)
     else:  # d sc (q - 32), sc in -128..127, q in 0..63
         blocks[:, :, 208:210] = (d * np.float16(1e-4)).view(np.uint8).reshape(rows, -1, 2)
@@ -263,11 +263,10 @@ def test_q8_0_and_q4_0_load_as_llama_cpp_dequantises_and_run_as_the_float64_mode
             assert expected[step, token] >= expected[step].max() - 6e-3
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
 def test_k_quant_blocks_load_as_gguf_pys_dequantisation(tmp_path, kind):
-    """Q4_K / Q6_K blocks keep their integers, each sub-block's scale (and min) multiplied out in float32: Q6_K's
-    weights are gguf-py's bit for bit; Q4_K's zero point 8 s - dmin m is rounded once in float32, so they agree to
-    that rounding."""
+    """K-quant blocks keep their integers and both levels of scales (int8 sub-scales and mins under float16 d and
+    dmin), and dequantise to gguf-py's weights bit for bit."""
     from mini_infer.model.gguf_weights import named_tensors, quantized
 
     writer = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "qwen2")
@@ -280,26 +279,25 @@ def test_k_quant_blocks_load_as_gguf_pys_dequantisation(tmp_path, kind):
     [(_, tensor)] = list(named_tensors(GGUFHeader(tmp_path / "k.gguf")))
     qt = quantized(tensor)
     theirs = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    assert (qt.bits, qt.group, qt.zeros is not None) == ((4, 32, True) if kind == "Q4_K" else (8, 16, False))
+    expected = {"Q4_K": (4, 32, True, 8), "Q5_K": (8, 32, True, 8), "Q6_K": (8, 16, False, 16)}[kind]
+    assert (qt.bits, qt.group, qt.zeros is not None, qt.super_groups) == expected
+    assert qt.scales.dtype == torch.int8 and qt.super_scales.dtype == torch.float16
+    assert qt.super_scales.shape == (40, 2) and qt.scales.shape == (40, 512 // expected[1])
     ours = qt.dequantize().numpy()
     assert ours.shape == theirs.shape == (40, 512) and np.abs(theirs).max() > 0.05
-    if kind == "Q6_K":
-        assert np.array_equal(ours, theirs)
-    else:
-        scales = qt.scales.repeat_interleave(32, dim=1).numpy()
-        assert (np.abs(ours - theirs) <= 2.0 ** -22 * (8 * scales + np.abs(theirs))).all()
+    assert np.array_equal(ours, theirs)
 
 
 @native
 def test_a_q4_k_m_style_file_runs_as_the_float64_model_of_its_weights(tmp_path):
-    """Q4_K q, k, gate and up beside Q6_K v, down and LM head (a Q4_K_M mix): the fused q/k/v and gate/up keep parts of
+    """Q4_K q, k, gate and up beside Q6_K v, down and LM head (a Q4_K_M mix) and a Q5_K o: the fused q/k/v and gate/up keep parts of
     different types apart, each its own matmul; greedy tokens and logprobs as HF's float64 model of the file's
     dequantised weights, within the kernels' int16 rounding (as the Q8_0 / Q4_0 test's bound)."""
     from gguf import GGUFReader
 
     model = build_hf_model(seed=6, vocab_size=300, hidden_size=256, intermediate_size=512, num_attention_heads=4,
                            num_key_value_heads=2, tie_word_embeddings=False)
-    k_quants = {"q_proj.weight": "Q4_K", "k_proj.weight": "Q4_K", "v_proj.weight": "Q6_K", "o_proj.weight": "Q4_K",
+    k_quants = {"q_proj.weight": "Q4_K", "k_proj.weight": "Q4_K", "v_proj.weight": "Q6_K", "o_proj.weight": "Q5_K",
                 "gate_proj.weight": "Q4_K", "up_proj.weight": "Q4_K", "down_proj.weight": "Q6_K",
                 "lm_head.weight": "Q6_K", "embed_tokens.weight": "Q4_K"}
     path = write_gguf(model, tmp_path / "model.gguf", "f32", k_quants=k_quants)
@@ -382,16 +380,16 @@ def test_what_does_not_load_is_refused_by_name(tmp_path):
     model = _model("qwen2", seed=7)
     path = write_gguf(model, tmp_path / "model.gguf", "f32")
     assert hf_config(GGUFHeader(path), "x")[0]["architectures"] == ["Qwen2ForCausalLM"]
-    # a K-quant tensor of a type not loaded (Q5_K)
+    # a K-quant tensor of a type not loaded (Q3_K)
     k_quant = tmp_path / "k.gguf"
     writer = gguf.GGUFWriter(str(k_quant), "qwen2")
-    writer.add_tensor("token_embd.weight", np.zeros((300, 176), dtype=np.uint8),
-                      raw_dtype=gguf.GGMLQuantizationType.Q5_K)  # one 176-byte block of 256 values a row
+    writer.add_tensor("token_embd.weight", np.zeros((300, 110), dtype=np.uint8),
+                      raw_dtype=gguf.GGMLQuantizationType.Q3_K)  # one 110-byte block of 256 values a row
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="tensor 'token_embd.weight' is Q5_K; mini-infer loads GGUF tensors of types"):
+    with pytest.raises(ValueError, match="tensor 'token_embd.weight' is Q3_K; mini-infer loads GGUF tensors of types"):
         LLM(str(k_quant))
     # an architecture we do not run
     other = tmp_path / "gemma.gguf"

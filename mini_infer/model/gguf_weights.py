@@ -11,12 +11,12 @@ them); they are put back here.
 Q8_0 (34-byte blocks: a float16 scale d and 32 int8 values q, w = d q) and Q4_0 (18 bytes: d and 16 bytes of 4-bit q,
 the block's first 16 values in the low nibbles and the next 16 in the high ones, w = d (q - 8)) are mini-infer's int8
 and int4 layouts with groups of 32 (kernels/quant.py, decision 002): their integers and scales load unchanged, so the
-weights are exactly llama.cpp's. Q4_K and Q6_K keep their integers too, their two-level scales multiplied out into
-float32 (Q4_K: int4 with zero points, 6 bits a weight against the file's 4.5; Q6_K: int8 in groups of 16, 10 bits
-against 6.56): the weights are llama.cpp's, in a wider layout than its own. A fused weight whose parts are of different
-types (a Q4_K_M file's Q4_K q and k with a Q6_K v) keeps them apart (StackedParts), each its own matmul. A quantised
-embedding is a lookup table, not a matmul: it is expanded to the model's dtype (exact in float32); the LM head keeps the
-file's type (the embedding's, when the head is tied).
+weights are exactly llama.cpp's. The K-quants keep their integers and both levels of their scales (kernels/quant.py's
+two-level layout, docs/decisions/027-k-quant-layout.md): Q4_K as int4 with mins (4.625 bits a weight against the
+file's 4.5), Q5_K and Q6_K with their 5- and 6-bit integers in bytes (8.625 and 8.56 bits against 5.5 and 6.56). A
+fused weight whose parts are of different types (a Q4_K_M file's Q4_K q and k with a Q6_K v) keeps them apart
+(StackedParts), each its own matmul. A quantised embedding is a lookup table, not a matmul: it is expanded to the
+model's dtype (exact in float32); the LM head keeps the file's type (the embedding's, when the head is tied).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ _LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": 
           "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
 _EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}  # 3-D: [E, out, in]
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-_BLOCK_BYTES = {"Q8_0": 2 + GROUP, "Q4_0": 2 + GROUP // 2, "Q4_K": 144, "Q6_K": 210}
+_BLOCK_BYTES = {"Q8_0": 2 + GROUP, "Q4_0": 2 + GROUP // 2, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 SUPER_BLOCK = 256  # the K-quants' weights per block (QK_K)
 
 
@@ -76,16 +76,13 @@ def named_tensors(header: GGUFHeader):
 
 def quantized(tensor) -> QuantizedTensor:
     """A quantised tensor's blocks as a QuantizedTensor of the same integers: Q8_0 / Q4_0 with their scales as they
-    are (float16 values); Q4_K and Q6_K (256-weight blocks of sub-blocks with scales of their own) with each
-    sub-block's scale (and min) multiplied out exactly into float32 (a float16 times a 6- or 8-bit integer)."""
+    are (float16 values); the K-quants (256-weight blocks of sub-blocks with int8 scales of their own) in two levels."""
     kind = tensor.tensor_type.name
     in_features, out_features = (int(n) for n in tensor.shape)
-    per_block = SUPER_BLOCK if kind in ("Q4_K", "Q6_K") else GROUP
+    per_block = SUPER_BLOCK if kind in _K_QUANTS else GROUP
     blocks = torch.from_numpy(np.array(tensor.data)).view(out_features, in_features // per_block, _BLOCK_BYTES[kind])
-    if kind == "Q4_K":
-        return _q4_k(blocks, out_features, in_features)
-    if kind == "Q6_K":
-        return _q6_k(blocks, out_features, in_features)
+    if kind in _K_QUANTS:
+        return _K_QUANTS[kind](blocks, out_features, in_features)
     scales = _half(blocks[:, :, :2])
     if kind == "Q8_0":
         q = blocks[:, :, 2:].contiguous().view(torch.int8).reshape(out_features, in_features)
@@ -101,32 +98,61 @@ def _half(raw: torch.Tensor) -> torch.Tensor:
     return raw.contiguous().view(torch.float16)[..., 0].float()
 
 
-def _q4_k(blocks: torch.Tensor, rows: int, cols: int) -> QuantizedTensor:
-    """Q4_K (144 bytes: d, dmin, 12 bytes of eight 6-bit scales and mins, 128 bytes of 4-bit q): sub-block j of 32
-    weights is d sc_j q - dmin m_j, q in 0..15; as int4 with zero points, w = (q - 8) s + z: s = d sc_j and
-    z = 8 s - dmin m_j, each exact in float32 but z, rounded once (to half a unit of its last place)."""
-    d, dmin = _half(blocks[:, :, 0:2]), _half(blocks[:, :, 2:4])
-    packed = blocks[:, :, 4:16].view(rows, -1, 3, 4).to(torch.int32)  # llama.cpp's get_scale_min_k4
-    low, high, both = packed[:, :, 0], packed[:, :, 1], packed[:, :, 2]
+def _halves(raw: torch.Tensor) -> torch.Tensor:
+    """float16 values stored as their two bytes ([..., 2] uint8) -> float16 [...]."""
+    return raw.contiguous().view(torch.float16)[..., 0].contiguous()
+
+
+def _scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's and Q5_K's 12 bytes per block of eight 6-bit scales and mins ([rows, blocks, 12] uint8) -> int8
+    [rows, blocks * 8] each (llama.cpp's get_scale_min_k4)."""
+    rows = packed.shape[0]
+    words = packed.view(rows, -1, 3, 4).to(torch.int32)
+    low, high, both = words[:, :, 0], words[:, :, 1], words[:, :, 2]
     sc = torch.cat([low & 0x3F, (both & 0x0F) | ((low >> 2) & 0x30)], dim=-1)
     mins = torch.cat([high & 0x3F, (both >> 4) | ((high >> 2) & 0x30)], dim=-1)
-    q = blocks[:, :, 16:].view(rows, -1, 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 2, 1)
-    scales = d[:, :, None] * sc.float()
-    zeros = 8 * scales - dmin[:, :, None] * mins.float()
-    return QuantizedTensor((q & 0x0F).reshape(rows, cols).contiguous(), scales.reshape(rows, -1).contiguous(),
-                           zeros.reshape(rows, -1).contiguous(), 4, GROUP, cols, torch.float32, None)
+    return sc.to(torch.int8).reshape(rows, -1), mins.to(torch.int8).reshape(rows, -1)
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """A K-quant block's 128 bytes of 4-bit values ([rows, blocks, 128]): 4 runs of 32 bytes, each run's low nibbles
+    sub-block 2c and its high ones 2c + 1 -> [rows, blocks, 8, 32]."""
+    shifts = torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 2, 1)
+    return ((qs.reshape(qs.shape[0], -1, 4, 1, 32) >> shifts) & 0x0F).reshape(qs.shape[0], -1, 8, 32)
+
+
+def _q4_k(blocks: torch.Tensor, rows: int, cols: int) -> QuantizedTensor:
+    """Q4_K (144 bytes: d, dmin, 12 bytes of eight 6-bit scales and mins, 128 bytes of 4-bit q): sub-block j of 32
+    weights is q d sc_j - dmin m_j, q in 0..15: int4 with mins, two levels, as it is."""
+    sc, mins = _scales_and_mins(blocks[:, :, 4:16])
+    return QuantizedTensor(_nibbles(blocks[:, :, 16:]).reshape(rows, cols).contiguous(), sc, mins, 4, GROUP, cols,
+                           torch.float16, None, _halves(blocks[:, :, 0:2]), _halves(blocks[:, :, 2:4]), 8)
+
+
+def _q5_k(blocks: torch.Tensor, rows: int, cols: int) -> QuantizedTensor:
+    """Q5_K (176 bytes: d, dmin, the 12 bytes of scales and mins, 32 bytes of q's fifth bits -- bit j of byte l for
+    sub-block j's weight l --, 128 bytes of q's low 4 bits as Q4_K's): sub-block j of 32 weights is q d sc_j -
+    dmin m_j, q in 0..31: int8 with mins, two levels."""
+    sc, mins = _scales_and_mins(blocks[:, :, 4:16])
+    fifth = (blocks[:, :, 16:48].reshape(rows, -1, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)) & 1
+    q = (_nibbles(blocks[:, :, 48:]) | (fifth << 4)).to(torch.int8)
+    return QuantizedTensor(q.reshape(rows, cols).contiguous(), sc, mins, 8, GROUP, cols, torch.float16, None,
+                           _halves(blocks[:, :, 0:2]), _halves(blocks[:, :, 2:4]), 8)
 
 
 def _q6_k(blocks: torch.Tensor, rows: int, cols: int) -> QuantizedTensor:
     """Q6_K (210 bytes: 128 of q's low 4 bits, 64 of their high 2, 16 int8 scales, d): sub-block j of 16 weights is
-    d sc_j (q - 32), q in 0..63; as int8 in groups of 16, q - 32 with the scale d sc_j (exact in float32)."""
-    low = blocks[:, :, :128].view(rows, -1, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 2, 1)
-    high = blocks[:, :, 128:192].view(rows, -1, 2, 1, 32) >> torch.tensor(
+    (q - 32) d sc_j, q in 0..63: int8 (q - 32) in groups of 16, two levels, no mins."""
+    low = blocks[:, :, :128].reshape(rows, -1, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 2, 1)
+    high = blocks[:, :, 128:192].reshape(rows, -1, 2, 1, 32) >> torch.tensor(
         [0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1)
     q = ((low & 0x0F).reshape(rows, -1, 8, 32) | ((high & 0x03).reshape(rows, -1, 8, 32) << 4)).to(torch.int8) - 32
-    scales = _half(blocks[:, :, 208:210])[:, :, None] * blocks[:, :, 192:208].contiguous().view(torch.int8).float()
-    return QuantizedTensor(q.reshape(rows, cols).contiguous(), scales.reshape(rows, -1).contiguous(), None, 8, 16, cols,
-                           torch.float32, None)
+    sc = blocks[:, :, 192:208].contiguous().view(torch.int8).reshape(rows, -1)
+    return QuantizedTensor(q.reshape(rows, cols).contiguous(), sc, None, 8, 16, cols, torch.float16, None,
+                           _halves(blocks[:, :, 208:210]), None, 16)
+
+
+_K_QUANTS = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
 
 
 def _float(tensor) -> torch.Tensor:
@@ -146,8 +172,7 @@ def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _unpermuted(q: QuantizedTensor, heads: int) -> QuantizedTensor:
-    return QuantizedTensor(_unpermute(q.q, heads).contiguous(), _unpermute(q.scales, heads).contiguous(), None, q.bits,
-                           q.group, q.in_features, q.scale_dtype, None)
+    return replace(q, **{name: _unpermute(t, heads).contiguous() for name, t in q.row_tensors().items()})
 
 
 def load_gguf_weights(model: Qwen2ForCausalLM, config: ModelConfig, file: Path) -> None:

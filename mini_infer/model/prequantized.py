@@ -16,6 +16,8 @@ group larger than the kernel takes (512 inputs; one group per row: K) repeats it
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from mini_infer.config import CheckpointQuantization
@@ -94,16 +96,19 @@ def concat(parts: list[QuantizedTensor], name: str) -> QuantizedTensor:
     """Weights sharing their input (q, k, v; gate, up) stacked along the outputs, as one fused weight."""
     first = parts[0]
     for part in parts[1:]:
-        if (part.bits, part.group, part.in_features, part.scale_dtype) != (first.bits, first.group, first.in_features,
-                                                                            first.scale_dtype):
+        if (part.bits, part.group, part.super_groups, part.in_features, part.scale_dtype) != (
+                first.bits, first.group, first.super_groups, first.in_features, first.scale_dtype):
             raise ValueError(f"{name}: the fused projections are quantised differently")
         if (part.perm is None) != (first.perm is None) or (part.perm is not None and
                                                            not torch.equal(part.perm, first.perm)):
             raise ValueError(f"{name}: the fused projections' act-order g_idx differ")
     if len(parts) == 1:
         return first
+    if any((p.zeros is None) != (first.zeros is None) for p in parts) and first.super_groups:
+        raise ValueError(f"{name}: the fused projections are quantised differently (mins in some only)")
     zeros = None
     if any(p.zeros is not None for p in parts):
         zeros = torch.cat([p.zeros if p.zeros is not None else torch.zeros_like(p.scales) for p in parts])
-    return QuantizedTensor(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]), zeros, first.bits,
-                           first.group, first.in_features, first.scale_dtype, first.perm)
+    stacked = {field: torch.cat([p.row_tensors()[field] for p in parts]) for field in first.row_tensors()
+               if field != "zeros"}
+    return replace(first, **stacked, zeros=zeros)
