@@ -41,8 +41,8 @@ def write_gguf(model, path: Path, outtype: str = "f32", tokenizer_dir: Path | No
                k_quants: dict[str, str] | None = None) -> Path:
     """`model` (a transformers model) as a GGUF file: 2-D weights in `outtype`, 1-D tensors F32 (as the converter
     writes them), with the tokenizer of `tokenizer_dir` as GGUF vocabulary metadata when given. `k_quants`: HF name
-    suffix -> Q4_K / Q5_K / Q6_K for the weights to write as random blocks of that type (gguf-py has no K-quant quantiser;
-    the file's weights are then those blocks, not the model's)."""
+    suffix -> Q4_K / Q5_K / Q6_K for the weights to write as random blocks of that type (gguf-py has no K-quant
+    quantiser; the file's weights are then those blocks, not the model's)."""
     config = model.config
     arch = getattr(gguf.MODEL_ARCH, ARCHS[config.model_type])
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
@@ -290,9 +290,9 @@ def test_k_quant_blocks_load_as_gguf_pys_dequantisation(tmp_path, kind):
 
 @native
 def test_a_q4_k_m_style_file_runs_as_the_float64_model_of_its_weights(tmp_path):
-    """Q4_K q, k, gate and up beside Q6_K v, down and LM head (a Q4_K_M mix) and a Q5_K o: the fused q/k/v and gate/up keep parts of
-    different types apart, each its own matmul; greedy tokens and logprobs as HF's float64 model of the file's
-    dequantised weights, within the kernels' int16 rounding (as the Q8_0 / Q4_0 test's bound)."""
+    """Q4_K q, k, gate and up beside Q6_K v, down and LM head (a Q4_K_M mix) and a Q5_K o: the fused q/k/v and gate/up
+    keep parts of different types apart, each its own matmul; greedy tokens and logprobs as HF's float64 model of the
+    file's dequantised weights, within the kernels' int16 rounding (as the Q8_0 / Q4_0 test's bound)."""
     from gguf import GGUFReader
 
     model = build_hf_model(seed=6, vocab_size=300, hidden_size=256, intermediate_size=512, num_attention_heads=4,
@@ -451,6 +451,42 @@ def test_the_bench_runs_a_gguf_file_as_it_is(tmp_path):
     assert [len(ids) for ids in result.token_ids] == [3, 2]
     with pytest.raises(ValueError, match="hf-generate runs a safetensors checkpoint; the model is a GGUF file"):
         factory.build("hf-generate")
+
+
+@native
+def test_the_kl_workload_scores_a_gguf_file_against_its_base(tiny_model_dir, tmp_path, monkeypatch):
+    """`bench --workload kl --model file.gguf --kl-base BASE` (bench/kl.py): mini-infer's engine of the file against
+    its engine of the base, over the text's first half (two chunks of 512, 255 positions each): the F32 file of the
+    model is the model (KL 0, every top-1 the same); its Q8_0 file strays, a little."""
+    import argparse
+
+    import transformers
+
+    from mini_infer.bench import kl
+    from mini_infer.bench.options import BenchOptions, add_bench_args
+    from mini_infer.gguf_file import model_dir
+
+    half = tmp_path / "kl.txt"
+    text = kl.TEXT.read_text()
+    half.write_text(text[: len(text) // 2])
+    monkeypatch.setattr(kl, "TEXT", half)
+    settings = kl.engine_settings
+    monkeypatch.setattr(kl, "engine_settings", lambda *a: {**settings(*a), "cpu_kernels": "on"})  # no autotuning
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    parser = argparse.ArgumentParser()
+    add_bench_args(parser)
+    options = BenchOptions.from_args(parser.parse_args(["--workload", "kl", "--systems", "mini-infer", "--dtype",
+                                                        "float32", "--kl-base", str(tiny_model_dir)]))
+    scores = {}
+    for outtype in ("f32", "q8_0"):
+        path = write_gguf(model, tmp_path / f"tiny-{outtype}.gguf", outtype)
+        report = kl.run_kl(options, str(model_dir(path, tiny_model_dir)), lambda message: None)
+        scores[outtype] = report["systems"]["mini-infer"]
+        assert report["config"]["base"] == str(tiny_model_dir) and scores[outtype]["positions"] == 2 * 255
+    assert scores["f32"]["mean_kl"] == 0 and scores["f32"]["top1_same_pct"] == 100
+    assert 0 < scores["q8_0"]["mean_kl"] < 0.05
+    with pytest.raises(ValueError, match="is not a GGUF file's"):
+        kl.run_kl(options, str(tiny_model_dir), lambda message: None)
 
 
 @native

@@ -6,6 +6,10 @@ distributions at positions CHUNK/2 .. CHUNK-2 of each chunk are scored (the firs
 scores the same positions). Per position: KL(base || quantised) = sum over the vocabulary of p_base (log p_base -
 log p_quantised), in float64, and whether the two argmaxes agree. mini-infer's quantised engines are compared with
 its own engine in --dtype; llama.cpp's q8_0 / q4_0 GGUFs with its own bf16 GGUF, by llama-perplexity itself.
+
+With --kl-base, the model is a quantised GGUF file (a Q4_K_M, say) and both systems run that very file: mini-infer's
+engine of it against its engine of the base (a bf16 GGUF or a checkpoint directory), llama-perplexity on it against
+the base as a bf16 GGUF.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from mini_infer import gguf_file
 from mini_infer.bench.charts import Panel, Series
 from mini_infer.bench.options import BenchOptions
 from mini_infer.bench.peer_env import PeerUnavailable, PeerVenv
@@ -86,42 +91,83 @@ def run_kl(options: BenchOptions, model_dir: str, log: Callable[[str], None]) ->
     chunks = len(tokens) // CHUNK
     if chunks < 2:
         raise ValueError(f"{TEXT} gives {len(tokens)} tokens; the KL workload needs at least {2 * CHUNK}")
+    config = {"model": model_dir, "dtype": options.dtype, "systems": list(options.systems), "text": TEXT.name,
+              "text_tokens": len(tokens), "chunk": CHUNK, "chunks": chunks,
+              "scored_positions": f"{CHUNK // 2}..{CHUNK - 2} of each chunk"}
+    if options.kl_base is not None:
+        return {"workload": "kl", "config": {**config, "base": options.kl_base},
+                "systems": _file_kl(options, model_dir, tokens, log)}
     ours = [name for name in options.systems if QUANTIZED_SYSTEMS.get(name, ("",))[0] == "mini-infer"]
     peers = [name for name in options.systems if QUANTIZED_SYSTEMS.get(name, ("",))[0] == "llama.cpp"]
     if not ours and not peers:
         raise ValueError("the KL workload compares quantised systems: pass --quantization int8,int4 with "
-                         "--systems mini-infer (and llama.cpp), or name mini-infer-int8, llama.cpp-q8_0 ...")
+                         "--systems mini-infer (and llama.cpp), or name mini-infer-int8, llama.cpp-q8_0 ...; or a "
+                         "quantised GGUF file as --model with --kl-base")
     systems = {}
     if ours:
         settings = engine_settings(model_dir, options.dtype)
         log(f"mini-infer: {options.dtype} and {', '.join(ours)} over {chunks} chunks of {CHUNK} tokens")
-        engines = {None: LLMEngine(EngineConfig(**settings))}
-        engines.update({name: LLMEngine(EngineConfig(**settings, quantization=QUANTIZED_SYSTEMS[name][1]))
-                        for name in ours})
-        scores = {name: ([], []) for name in ours}
-        for c in range(chunks):
-            chunk = tokens[c * CHUNK: (c + 1) * CHUNK]
-            base = chunk_logprobs(engines[None], chunk)
-            for name in ours:
-                kl, same = divergence(base, chunk_logprobs(engines[name], chunk))
-                scores[name][0].append(kl)
-                scores[name][1].append(same)
-        for name, (kl, same) in scores.items():
-            kl, same = torch.cat(kl), torch.cat(same)
-            systems[name] = {"reason": None, "base": f"mini-infer {options.dtype}", "mean_kl": kl.mean().item(),
-                             "top1_same_pct": 100 * same.double().mean().item(), "positions": len(kl)}
-        for engine in engines.values():
-            engine.shutdown()
+        engines = {name: LLMEngine(EngineConfig(**settings, quantization=QUANTIZED_SYSTEMS[name][1])) for name in ours}
+        systems.update(_scores(LLMEngine(EngineConfig(**settings)), engines, tokens, f"mini-infer {options.dtype}"))
     for name in peers:
         try:
             systems[name] = _llama_cpp_kl(model_dir, QUANTIZED_SYSTEMS[name][1], log)
         except (PeerUnavailable, RuntimeError) as error:
             systems[name] = {"reason": f"{type(error).__name__}: {str(error).splitlines()[0]}"}
             log(f"{name} skipped: {systems[name]['reason']}")
-    config = {"model": model_dir, "dtype": options.dtype, "systems": list(options.systems), "text": TEXT.name,
-              "text_tokens": len(tokens), "chunk": CHUNK, "chunks": chunks,
-              "scored_positions": f"{CHUNK // 2}..{CHUNK - 2} of each chunk"}
     return {"workload": "kl", "config": config, "systems": systems}
+
+
+def _scores(base: LLMEngine, engines: dict[str, LLMEngine], tokens: list[int], base_name: str) -> dict:
+    """Each engine's mean KL from `base` and its top-1 agreement over the text's chunks; every engine shut down."""
+    scores = {name: ([], []) for name in engines}
+    try:
+        for c in range(len(tokens) // CHUNK):
+            chunk = tokens[c * CHUNK: (c + 1) * CHUNK]
+            reference = chunk_logprobs(base, chunk)
+            for name, engine in engines.items():
+                kl, same = divergence(reference, chunk_logprobs(engine, chunk))
+                scores[name][0].append(kl)
+                scores[name][1].append(same)
+    finally:
+        for engine in (base, *engines.values()):
+            engine.shutdown()
+    systems = {}
+    for name, (kl, same) in scores.items():
+        kl, same = torch.cat(kl), torch.cat(same)
+        systems[name] = {"reason": None, "base": base_name, "mean_kl": kl.mean().item(),
+                         "top1_same_pct": 100 * same.double().mean().item(), "positions": len(kl)}
+    return systems
+
+
+def _file_kl(options: BenchOptions, model_dir: str, tokens: list[int], log: Callable[[str], None]) -> dict:
+    """--kl-base: the quantised GGUF file `model_dir` stands for, run by mini-infer and llama.cpp, each against its own
+    run of the base."""
+    link = Path(model_dir) / gguf_file.LINK
+    if not link.exists():
+        raise ValueError(f"--kl-base compares a quantised GGUF file (--model file.gguf) with its base; {model_dir} is "
+                         "not a GGUF file's")
+    base = Path(options.kl_base)
+    if not (base.is_dir() or gguf_file.is_gguf(str(base))):
+        raise ValueError(f"--kl-base must be a checkpoint directory or a GGUF file, got {options.kl_base}")
+    systems = {}
+    if "mini-infer" in options.systems:
+        log(f"mini-infer: {link.resolve().name} against {base.name} over {len(tokens) // CHUNK} chunks of {CHUNK} "
+            "tokens")
+        engine = LLMEngine(EngineConfig(**engine_settings(model_dir, options.dtype)))
+        systems.update(_scores(LLMEngine(EngineConfig(**engine_settings(str(base), options.dtype))),
+                               {"mini-infer": engine}, tokens, f"mini-infer, {base.name} in {options.dtype}"))
+    if "llama.cpp" in options.systems:
+        try:
+            venv = PeerVenv("llama.cpp")
+            venv.ensure(LLAMA_CPP, log)
+            base_gguf = base if base.is_file() else convert_to_gguf(venv.root, venv.root / "gguf", str(base), "bf16",
+                                                                    log)
+            systems["llama.cpp"] = _perplexity_kl(llama_cpp_tools(log), base_gguf, link.resolve(), venv.root / "gguf")
+        except (PeerUnavailable, RuntimeError) as error:
+            systems["llama.cpp"] = {"reason": f"{type(error).__name__}: {str(error).splitlines()[0]}"}
+            log(f"llama.cpp skipped: {systems['llama.cpp']['reason']}")
+    return systems
 
 
 _MEAN_KLD = re.compile(r"Mean\s+KLD:\s+([0-9.eE+-]+)")
@@ -138,18 +184,26 @@ def _llama_cpp_kl(model_dir: str, outtype: str, log: Callable[[str], None]) -> d
     bf16 = convert_to_gguf(venv.root, venv.root / "gguf", model_dir, "bf16", log)
     quantised = quantize_gguf(tools, bf16, outtype, log) if outtype == "q4_0" else \
         convert_to_gguf(venv.root, venv.root / "gguf", model_dir, outtype, log)
+    return _perplexity_kl(tools, bf16, quantised, venv.root / "gguf")
+
+
+def _perplexity_kl(tools: Path, base_gguf: Path, quantised: Path, cache: Path) -> dict:
+    """llama-perplexity's two steps: the base GGUF's distributions saved once (in `cache`, keyed by the file), then
+    the quantised GGUF's KL to them, on the same text and chunk size."""
     threads = str(torch.get_num_threads())
-    base = bf16.with_suffix(".kld")
+    stat = base_gguf.stat()
+    base = cache / f"{base_gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}.kld"
     if not base.is_file():
-        _perplexity(tools, ["-m", str(bf16), "-f", str(TEXT), "-c", str(CHUNK), "-t", threads,
+        _perplexity(tools, ["-m", str(base_gguf), "-f", str(TEXT), "-c", str(CHUNK), "-t", threads,
                             "--kl-divergence-base", str(base)], base.with_suffix(".kld.log"))
+    log_path = cache / f"{quantised.stem}.kld.log"
     output = _perplexity(tools, ["-m", str(quantised), "--kl-divergence-base", str(base), "--kl-divergence", "-t",
-                                 threads], quantised.with_suffix(".kld.log"))
+                                 threads], log_path)
     kl, same = _MEAN_KLD.search(output), _SAME_TOP.search(output)
     if kl is None or same is None:
-        raise RuntimeError(f"llama-perplexity printed no 'Mean KLD' / 'Same top p' (log {quantised}.kld.log)")
+        raise RuntimeError(f"llama-perplexity printed no 'Mean KLD' / 'Same top p' (log {log_path})")
     chunks = _CHUNKS.search(output)
-    return {"reason": None, "base": "llama.cpp bf16 GGUF", "mean_kl": float(kl.group(1)),
+    return {"reason": None, "base": f"llama.cpp, {base_gguf.name}", "mean_kl": float(kl.group(1)),
             "top1_same_pct": float(same.group(1)),
             "positions": int(chunks.group(1)) * (CHUNK // 2 - 1) if chunks is not None else None,
             "gguf": str(quantised)}

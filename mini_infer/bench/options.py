@@ -55,6 +55,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                              "cache on first use (minutes), or skipped with the reason")
     parser.add_argument("--gguf-outtype", choices=GGUF_OUTTYPES, default=None,
                         help="llama.cpp's weight type, converted once per checkpoint (default: --dtype's, bf16 or f32)")
+    parser.add_argument("--kl-base", default=None,
+                        help="kl workload: --model is a quantised GGUF file, which mini-infer and llama.cpp both run, "
+                             "each against its own run of this unquantised model (a bf16 GGUF file, or a checkpoint "
+                             "directory, which llama.cpp converts to bf16)")
     parser.add_argument("--quantization", default=None,
                         help="comma list of int8, int4: adds mini-infer with its weights quantised so (where "
                              "mini-infer runs) and llama.cpp's GGUF of the same bits, q8_0 or q4_0 (where llama.cpp "
@@ -121,6 +125,7 @@ class BenchOptions:
     dtype: str
     systems: tuple[str, ...]
     gguf_outtype: str | None
+    kl_base: str | None
     reps: int
     out: Path
     quantization: tuple[str, ...]  # --quantization's methods
@@ -174,6 +179,8 @@ class BenchOptions:
             workload = f"speculative-{args.speculative}"
         if workload.startswith("speculative") and len(methods) > 1:
             raise ValueError(f"--quantization: the speculative workloads quantise the target one way, got {methods}")
+        if args.kl_base is not None and workload != "kl":
+            raise ValueError(f"--kl-base is the kl workload's, not {workload}'s")
         reps = args.reps if args.reps is not None else (1 if workload == "random" else 3)
         for flag in ("--reps", "--parallel-batch-size", "--parallel-new-tokens", "--prompt-len", "--max-new-tokens",
                      "--warmup-tokens", "--num-requests", "--batch-size", "--max-tokens", "--edit-every"):
