@@ -375,6 +375,8 @@ def test_kl_workload_scores_each_quantised_engine_against_the_unquantised_one(ti
     text = kl.TEXT.read_text()
     half.write_text(text[: len(text) // 2])
     monkeypatch.setattr(kl, "TEXT", half)
+    settings = kl.engine_settings
+    monkeypatch.setattr(kl, "engine_settings", lambda *a: {**settings(*a), "cpu_kernels": "on"})  # no autotuning
     from mini_infer.bench.options import BenchOptions, add_bench_args
     from mini_infer.bench.run import table
 
