@@ -217,3 +217,18 @@ def qwen3_model_dir(tmp_path_factory) -> Path:
     from mini_infer.factory import make_model
 
     return make_model("qwen3-tiny", tmp_path_factory.mktemp("qwen3") / "model", seed=0, dtype="float32")
+
+
+@pytest.fixture
+def short_kl_workload(tmp_path, monkeypatch):
+    """bench/kl.py over the first half of its text (two chunks of 512, the fewest it takes), its engines on one kernel
+    path (no autotuning); the module."""
+    from mini_infer.bench import kl
+
+    half = tmp_path / "kl.txt"
+    text = kl.TEXT.read_text()
+    half.write_text(text[: len(text) // 2])
+    monkeypatch.setattr(kl, "TEXT", half)
+    settings = kl.engine_settings
+    monkeypatch.setattr(kl, "engine_settings", lambda *a: {**settings(*a), "cpu_kernels": "on"})
+    return kl

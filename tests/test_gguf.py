@@ -454,7 +454,7 @@ def test_the_bench_runs_a_gguf_file_as_it_is(tmp_path):
 
 
 @native
-def test_the_kl_workload_scores_a_gguf_file_against_its_base(tiny_model_dir, tmp_path, monkeypatch):
+def test_the_kl_workload_scores_a_gguf_file_against_its_base(tiny_model_dir, tmp_path, short_kl_workload):
     """`bench --workload kl --model file.gguf --kl-base BASE` (bench/kl.py): mini-infer's engine of the file against
     its engine of the base, over the text's first half (two chunks of 512, 255 positions each): the F32 file of the
     model is the model (KL 0, every top-1 the same); its Q8_0 file strays, a little."""
@@ -462,16 +462,10 @@ def test_the_kl_workload_scores_a_gguf_file_against_its_base(tiny_model_dir, tmp
 
     import transformers
 
-    from mini_infer.bench import kl
     from mini_infer.bench.options import BenchOptions, add_bench_args
     from mini_infer.gguf_file import model_dir
 
-    half = tmp_path / "kl.txt"
-    text = kl.TEXT.read_text()
-    half.write_text(text[: len(text) // 2])
-    monkeypatch.setattr(kl, "TEXT", half)
-    settings = kl.engine_settings
-    monkeypatch.setattr(kl, "engine_settings", lambda *a: {**settings(*a), "cpu_kernels": "on"})  # no autotuning
+    kl = short_kl_workload
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     parser = argparse.ArgumentParser()
     add_bench_args(parser)

@@ -363,20 +363,12 @@ def test_kl_divergence_of_known_distributions():
     assert same.tolist() == [False, True]
 
 
-def test_kl_workload_scores_each_quantised_engine_against_the_unquantised_one(tiny_model_dir, tmp_path, monkeypatch):
+def test_kl_workload_scores_each_quantised_engine_against_the_unquantised_one(tiny_model_dir, short_kl_workload):
     """The tiny preset (real vocabulary) over the text's first half: two chunks of 512 (the fewest the workload
     takes), 255 positions each; int4 strays further than int8 from the float32 model, and neither is exactly it."""
     import argparse
 
-    from mini_infer.bench import kl
     from mini_infer.bench.kl import KL, run_kl
-
-    half = tmp_path / "kl.txt"
-    text = kl.TEXT.read_text()
-    half.write_text(text[: len(text) // 2])
-    monkeypatch.setattr(kl, "TEXT", half)
-    settings = kl.engine_settings
-    monkeypatch.setattr(kl, "engine_settings", lambda *a: {**settings(*a), "cpu_kernels": "on"})  # no autotuning
     from mini_infer.bench.options import BenchOptions, add_bench_args
     from mini_infer.bench.run import table
 

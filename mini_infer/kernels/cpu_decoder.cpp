@@ -89,7 +89,8 @@ void matmul(const Matmul& m, const void* x, const void* bias, int dtype, void* o
             break;
         default:  // the arguments were checked when the stack was built (kernels/decoder.py)
             reinterpret_cast<QuantGemm>(m.kernel)(x, dtype, m.perm, m.weight, m.zeros, m.scale_dtype, m.bits, m.group,
-                                                   m.super_groups, bias, dtype, out, dtype, M, N, K, m.prefetch, threads);
+                                                   m.super_groups, bias, dtype, out, dtype, M, N, K, m.prefetch,
+                                                   threads);
             break;
     }
 }

@@ -13,8 +13,8 @@
 // d [Kp / (G S), 16] float16, dmin likewise, sc [Kp / G, 16] int8, m likewise --, padded to a
 // multiple of 64 bytes, then its q in steps of 64 bytes: 4 bytes per column of 4 k (int8: bytes k, k + 2, k + 1,
 // k + 3) or 8 k (int4: nibble d / 2 holds k + d for even d, 4 + d / 2 for odd d), so that in-lane shifts give int16
-// (k, k + 1) pairs. Kp: K rounded up to a multiple of G, or of G S (the weights past K are zero). A tile of NP panels reads NP
-// streams (blocks of 8 panels whose steps alternated, one stream per tile, streamed 15-20 % slower at one row on a
+// (k, k + 1) pairs. Kp: K rounded up to a multiple of G, or of G S (the weights past K are zero). A tile of NP panels
+// reads NP streams (blocks of 8 panels whose steps alternated, one stream per tile, streamed 15-20 % slower at one row on a
 // Zen 4 EPYC). The scales inside the panel's run, not in an array of their own: read from there, one row's matmuls
 // over a 0.5B model's int8 weights streamed at 0.77-0.85 of the bf16 kernel's rate on a Zen 4, at 0.89-0.97 without
 // reading scales at all (a separate stream every tile read a line of per 2 groups; the weight prefetch now covers
@@ -24,7 +24,8 @@
 // the power of two that puts the group's largest |x| in [2^14, 2^15) (a bf16 x at least 2^-7 of its group's largest
 // is exact; the rounding error is at most 2^-16 of the group's largest). A group's sum of xq * q (at most
 // G * 2^15 * 127 < 2^31 for G <= 512) is widened to float32 and added to the accumulator times scale * 2^e, and for
-// int4 x's float32 group sum times (zero - 8 * scale) (two-level: times -dmin * m, where there are mins). Tiles of MR rows by NP panels; threads split the panels.
+// int4 x's float32 group sum times (zero - 8 * scale) (two-level: times -dmin * m, where there are mins). Tiles of MR
+// rows by NP panels; threads split the panels.
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -424,8 +425,8 @@ struct RoundedRows {
 };
 
 // x [M, K] float32 or bfloat16 (read as x[:, perm] where perm is not null) rounded to int16 per group of G, with each
-// group's sum where `sums`: as float32 rows of Kp first (zero past K; G a multiple of 8, so whole vectors of LANES where G allows, else one element at a
-// time), then each group scaled by the power of two that puts its largest |x| in [2^14, 2^15).
+// group's sum where `sums`: as float32 rows of Kp first (zero past K; G a multiple of 8, so whole vectors of LANES
+// where G allows, else one element at a time), then each group scaled by the power of two that puts its largest |x| in [2^14, 2^15).
 RoundedRows round_rows(const void* x, int x_dtype, const int32_t* perm, bool sums, int G, int M, int K, int Kp,
                        int threads) {
     const int groups = Kp / G;

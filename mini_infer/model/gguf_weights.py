@@ -83,7 +83,7 @@ def quantized(tensor) -> QuantizedTensor:
     blocks = torch.from_numpy(np.array(tensor.data)).view(out_features, in_features // per_block, _BLOCK_BYTES[kind])
     if kind in _K_QUANTS:
         return _K_QUANTS[kind](blocks, out_features, in_features)
-    scales = _half(blocks[:, :, :2])
+    scales = _halves(blocks[:, :, :2]).float()
     if kind == "Q8_0":
         q = blocks[:, :, 2:].contiguous().view(torch.int8).reshape(out_features, in_features)
     else:
@@ -91,11 +91,6 @@ def quantized(tensor) -> QuantizedTensor:
         q = torch.cat([packed & 0x0F, packed >> 4], dim=2).reshape(out_features, in_features)
     return QuantizedTensor(q.contiguous(), scales.contiguous(), None, QUANTIZED_TYPES[kind], GROUP, in_features,
                            torch.float16, None)
-
-
-def _half(raw: torch.Tensor) -> torch.Tensor:
-    """float16 values stored as their two bytes ([..., 2] uint8) -> float32 [...]."""
-    return raw.contiguous().view(torch.float16)[..., 0].float()
 
 
 def _halves(raw: torch.Tensor) -> torch.Tensor:
