@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mini_infer import machine
 from mini_infer.engine.llm_engine import LLMEngine
 from mini_infer.kernels import autotune, cpu
 from mini_infer.kernels.autotune import BUCKETS, LinearTuner, bucket_index, machine_key
@@ -219,22 +220,34 @@ def test_processes_sharing_a_cache_keep_each_other_s_shapes(tmp_path):
 
 
 @needs_kernels
-def test_decode_sized_calls_are_timed_with_the_weight_evicted_from_the_caches(monkeypatch):
-    """Up to STREAMING_ROWS rows each timed call reads a buffer larger than the last-level cache first (a model's
-    weights stream from memory there); larger calls are timed as they come; release drops the timing data."""
-    monkeypatch.setattr(ops_module, "last_level_cache_bytes", lambda: 2**20)
-    timer = ops_module._LinearTimer(torch.float32)
-    evictions = []
-    original = timer._evict
-    monkeypatch.setattr(timer, "_evict", lambda: evictions.append(1) or original())
+def test_decode_sized_calls_are_timed_with_the_weight_flushed_from_the_caches(monkeypatch):
+    """Up to STREAMING_ROWS rows each timed call first flushes the candidate's own weight (its layout's tensors) from
+    the caches (a model's weights stream from memory there); larger calls are timed as they come; release drops
+    the timing data."""
+    flushed = []
+    monkeypatch.setattr(ops_module.cpu, "flush_caches", lambda tensors: flushed.append(tensors))
+    timer = ops_module._LinearTimer(torch.bfloat16)
     timer("avx2", ops_module._LinearTimer.STREAMING_ROWS, 40, 24)
-    assert len(evictions) == 1 and timer._evict_buffer.numel() * 4 == 5 * 2**20 // 4
+    timer("torch", ops_module._LinearTimer.STREAMING_ROWS, 40, 24)
+    assert [t.data_ptr() for t, in flushed] == [timer._weights["panels"].data.data_ptr(),
+                                                timer._weights["torch"].data_ptr()]
     timer("torch", ops_module._LinearTimer.STREAMING_ROWS + 1, 40, 24)
-    assert len(evictions) == 1
+    assert len(flushed) == 2
     timer.release()
-    assert timer._evict_buffer is None and timer._weights == {}
+    assert timer._weights == {} and timer._rows == {}
 
 
-def test_the_last_level_cache_size_comes_from_sysfs():
-    size = autotune.last_level_cache_bytes()
-    assert size >= 2**20 and size % 1024 == 0
+@needs_kernels
+def test_the_flush_runs_clflushopt_where_the_cpu_has_it_and_keeps_the_contents(monkeypatch):
+    """flush_caches takes the CLFLUSHOPT build where the CPU has the instruction, else CLFLUSH's; each build that
+    runs here flushes a buffer whose length ends mid-line (and an empty one) and leaves its contents as they were."""
+    loaded = []
+    native = cpu.native_function
+    monkeypatch.setattr(cpu, "native_function", lambda name: loaded.append(name) or native(name))
+    buffer = torch.arange(1000, dtype=torch.float32)
+    cpu.flush_caches([torch.zeros(0), buffer[:-3]])
+    assert loaded[-1] == ("flush_lines_opt" if "clflushopt" in machine.cpu().flags else "flush_lines")
+    for name in ("flush_lines_opt", "flush_lines"):
+        if cpu.kernel_reason(name) is None:
+            native(name)(buffer.data_ptr(), buffer.numel() * 4 - 3)
+    assert torch.equal(buffer, torch.arange(1000, dtype=torch.float32))

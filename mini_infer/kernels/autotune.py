@@ -36,7 +36,7 @@ _ROUNDS = 5  # timed calls per candidate and bucket
 _SLOW_ROUNDS = 3  # where a call takes longer than _SLOW_S (a prefill of the LM head, say): steady enough
 _SLOW_S = 0.02
 # How the candidates are timed (part of the cache key: a table timed another way is timed again).
-_METHOD = "warm-up, then interleaved rounds; decode buckets evicted from the caches"
+_METHOD = "warm-up, then interleaved rounds; decode buckets with the weight flushed from the caches"
 
 
 def bucket_index(rows: int) -> int:
@@ -67,16 +67,6 @@ def timed_ms(run: Callable[[], object], before: Callable[[], object] | None = No
     start = time.perf_counter()
     run()
     return 1000 * (time.perf_counter() - start)
-
-
-def last_level_cache_bytes() -> int:
-    """The largest CPU cache sysfs reports (32 MiB where it reports none)."""
-    sizes = []
-    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = path.read_text().strip()
-        units = {"K": 2**10, "M": 2**20, "G": 2**30}
-        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
-    return max(sizes, default=32 * 2**20)
 
 
 class LinearTuner:

@@ -92,6 +92,12 @@ _KERNELS = {
     # kernels/decoder.py: a decode step's layers in one call, through the kernels above (their addresses passed in).
     "decode_layers": _Kernel("cpu_decoder.cpp", "decode_layers", [_P, _P, _I] + [_P] * 7 + [_I] * 3, _I, _BASE_FLAGS,
                              ()),
+    # kernels/autotune.py: a weight's cache lines flushed before a timed decode-sized call (CLFLUSHOPT where the CPU
+    # has it, else CLFLUSH).
+    "flush_lines_opt": _Kernel("cpu_cache.cpp", "flush_lines", [_P, ctypes.c_int64], None,
+                               [*_BASE_FLAGS, "-mclflushopt", "-DCLFLUSHOPT=1"], ("clflushopt",)),
+    "flush_lines": _Kernel("cpu_cache.cpp", "flush_lines", [_P, ctypes.c_int64], None,
+                           [*_BASE_FLAGS, "-DCLFLUSHOPT=0"], ("sse2",)),
     "shm_allreduce": _Kernel("shm_allreduce.cpp", "shm_allreduce", [_P, _I, _I, _L, ctypes.c_int64, _P, _I, _L], _L,
                              _AVX2, ("avx2", "fma")),
 }
@@ -425,6 +431,13 @@ def attention_range_error(block_tables: torch.Tensor, context_lens: torch.Tensor
     return ValueError(f"cpu attention: context lengths in {span(context_lens)} (must be in [1, "
                       f"{block_tables.shape[1] * block_size}]), block ids in {span(block_tables)} (must be in [0, "
                       f"{num_blocks - 1}])")
+
+
+def flush_caches(tensors: list[torch.Tensor]) -> None:
+    """Write back and evict the tensors' memory from every cache level (CLFLUSHOPT where the CPU has it)."""
+    flush = native_function("flush_lines_opt" if kernel_reason("flush_lines_opt") is None else "flush_lines")
+    for t in tensors:
+        flush(t.data_ptr(), t.numel() * t.element_size())
 
 
 _SHM_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float64: 2}

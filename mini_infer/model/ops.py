@@ -22,8 +22,7 @@ from torch import nn
 from mini_infer import machine
 from mini_infer.config import CPU_KERNEL_MODES, QUANTIZATION_METHODS, EngineConfig
 from mini_infer.kernels import cpu, fused, quant
-from mini_infer.kernels.autotune import (BUCKETS, LinearTuner, bucket_index, last_level_cache_bytes, machine_key,
-                                         timed_ms)
+from mini_infer.kernels.autotune import BUCKETS, LinearTuner, bucket_index, machine_key, timed_ms
 from mini_infer.model.attention import AttentionMetadata, paged_attention, write_kv
 from mini_infer.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from mini_infer.profiling import profiled
@@ -192,9 +191,10 @@ class Ops:
     def prepare(self, linear_weights: list[tuple[nn.Module, str]]) -> None:
         """Swap each named linear weight for the forms its matmuls run on: packed for the native kernels where they
         run; quantised first where the engine quantises; a pre-quantised checkpoint's (already a QuantizedTensor)
-        packed as it is."""
+        packed as it is. Weights prepared already (the GGUF loader prepares each as it is read) are left as they are."""
         if not self.native and self.quantization is None:
             return
+        linear_weights = [(module, name) for module, name in linear_weights if not _prepared(getattr(module, name))]
         float_winners = self._float_winners(linear_weights)
         for module, name in linear_weights:
             weight = getattr(module, name)
@@ -361,29 +361,28 @@ def select_ops(mode: str, dtype: torch.dtype, device: str | torch.device, quanti
                quantization=quantization, quant_timer=quant_timer, dtype=dtype, optional=optional)
 
 
+def _prepared(weight) -> bool:
+    """Whether Ops.prepare has packed `weight` (a StackedParts' parts each packed make a tuple)."""
+    return isinstance(weight, TunedWeight) or (isinstance(weight, tuple) and all(isinstance(w, TunedWeight)
+                                                                                  for w in weight))
+
+
 class _LinearTimer:
     """Times one call of a candidate matmul on random data of a weight's shape (the weights made once per shape,
     the rows once per row count), quantised as the engine quantises where it does.
 
     A decode step's matmuls (up to STREAMING_ROWS rows, the decode buckets) stream their weights from memory (a
-    model's weights far exceed the caches), so those calls are timed with the weight evicted from every cache level
-    first: timed cache-hot, a kernel that streams memory best could lose to one that only computes faster."""
+    model's weights far exceed the caches), so those calls are timed with the weight's lines flushed from every cache
+    level first: timed cache-hot, a kernel that streams memory best could lose to one that only computes faster."""
 
     STREAMING_ROWS = 64
 
     def __init__(self, dtype: torch.dtype, scheme: quant.Scheme | None = None) -> None:
         self.dtype, self.scheme, self._shape, self._weights, self._rows = dtype, scheme, None, {}, {}
-        self._evict_buffer: torch.Tensor | None = None
 
     def release(self) -> None:
-        """Drop the timing data (the last shape's weights and rows, the eviction buffer) once the model's weights
-        are prepared."""
-        self._shape, self._weights, self._rows, self._evict_buffer = None, {}, {}, None
-
-    def _evict(self) -> None:
-        if self._evict_buffer is None:  # 1.25x the last-level cache, read once per timed call
-            self._evict_buffer = torch.ones(last_level_cache_bytes() * 5 // 16, dtype=torch.float32)
-        self._evict_buffer.sum()
+        """Drop the timing data (the last shape's weights and rows) once the model's weights are prepared."""
+        self._shape, self._weights, self._rows = None, {}, {}
 
     def __call__(self, candidate: str, rows: int, out_features: int, in_features: int) -> float:
         if self._shape != (out_features, in_features):
@@ -398,18 +397,22 @@ class _LinearTimer:
         if rows not in self._rows:
             self._rows[rows] = torch.randn(rows, in_features).to(self.dtype)
         x = self._rows[rows]
-        before = self._evict if rows <= self.STREAMING_ROWS else None
         if self.scheme is not None:
             if candidate == "torch":
                 weight = self._weights["torch"]
-                return timed_ms(lambda: quant.torch_int4_linear(x, weight), before)
+                return timed_ms(lambda: quant.torch_int4_linear(x, weight), self._before(rows, weight.tensors()))
             panels = self._weights["quant"]
+            before = self._before(rows, panels.tensors())
             return timed_ms(lambda: quant.quant_linear(x, panels, None, candidate), before)
         dense = self._weights["torch"]
         if candidate == "torch":
-            return timed_ms(lambda: F.linear(x, dense), before)
+            return timed_ms(lambda: F.linear(x, dense), self._before(rows, [dense]))
         layout = cpu.weight_layout(candidate, self.dtype)
         if layout not in self._weights:
             self._weights[layout] = cpu.pack_weight(dense, layout)
         packed = self._weights[layout]
-        return timed_ms(lambda: cpu.linear(x, packed, None, candidate), before)
+        return timed_ms(lambda: cpu.linear(x, packed, None, candidate), self._before(rows, packed.tensors()))
+
+    def _before(self, rows: int, weight: list[torch.Tensor]) -> Callable[[], None] | None:
+        """What runs untimed before a call: a decode-sized one first flushes its weight from the caches."""
+        return (lambda: cpu.flush_caches(weight)) if rows <= self.STREAMING_ROWS else None
