@@ -228,7 +228,15 @@ def test_q8_0_and_q4_0_load_as_llama_cpp_dequantises_and_run_as_the_float64_mode
             name, _, expert = tensor.name.partition("[")
             theirs = weights[name][int(expert[:-1])] if expert else weights[name]
             assert ours.shape == theirs.shape and np.array_equal(ours, theirs), tensor.name  # bit for bit
-    # HF's float64 model of the dequantised weights (permuted back for Llama, as the converter's inverse)
+    reference = _float64_model_of(model, weights, architecture)
+    llm = LLM(str(path), dtype="float32", cpu_kernels="on", num_kv_blocks=32)
+    assert llm.engine.config.model_config.quantization.method == "gguf"
+    _assert_greedy_as(llm, reference)
+
+
+def _float64_model_of(model, weights: dict[str, np.ndarray], architecture: str):
+    """HF's `model` in float64 holding the file's dequantised `weights` (by llama.cpp name; a MoE layer's experts
+    stacked; permuted back for Llama, as the converter's inverse); a weight the file lacks keeps the model's."""
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, ARCHS[architecture]), model.config.num_hidden_layers)
     reference = model.double()
     with torch.no_grad():
@@ -247,9 +255,12 @@ def test_q8_0_and_q4_0_load_as_llama_cpp_dequantises_and_run_as_the_float64_mode
                 heads = model.config.num_attention_heads if "q_proj" in name else model.config.num_key_value_heads
                 stored = stored.reshape(heads, stored.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(
                     stored.shape)
-            param.copy_(torch.from_numpy(np.ascontiguousarray(stored)))
-    llm = LLM(str(path), dtype="float32", cpu_kernels="on", num_kv_blocks=32)
-    assert llm.engine.config.model_config.quantization.method == "gguf"
+            param.copy_(torch.from_numpy(np.array(stored)).reshape(param.shape))
+    return reference
+
+
+def _assert_greedy_as(llm: LLM, reference) -> None:
+    """llm's greedy tokens and their logprobs are the float64 reference's, within the kernels' int16 rounding."""
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
     for prompt, out in zip(PROMPTS, llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)):
         out = out.outputs[0]
@@ -320,6 +331,41 @@ def test_a_q4_k_m_style_file_runs_as_the_float64_model_of_its_weights(tmp_path):
         for step, token in enumerate(out.token_ids):
             assert abs(out.logprobs[step][token].logprob - expected[step, token].item()) < 3e-3
             assert expected[step, token] >= expected[step].max() - 6e-3
+
+
+# A tiny MoE preset (8 experts) with K-quant-sized rows: 256 weights or a multiple of them.
+STRAIGHT = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, head_dim=64, num_attention_heads=4,
+                num_key_value_heads=2)
+
+
+@native
+def test_a_q4_k_m_file_written_straight_runs_as_the_float64_model_of_its_weights(tmp_path):
+    """make-model --gguf q4_k_m (factory/gguf_writer.py: random blocks of the types llama-quantize gives, here Q4_K,
+    Q6_K, and Q8_0 / Q5_K for an 8-expert model's attention): mini-infer reads the file's vocabulary as the preset's
+    tokenizer and runs it as HF's float64 model of the file's dequantised weights."""
+    import transformers
+
+    from mini_infer.factory import PRESETS, make_model, write_config, write_tokenizer
+    from mini_infer.model.gguf_weights import quantized
+
+    path = make_model("qwen3-moe-tiny", tmp_path / "model.gguf", seed=2, gguf="q4_k_m", overrides=STRAIGHT)
+    tensors = GGUFHeader(path).tensors  # (as gguf-py's GGUFReader reads them, in a fraction of its time)
+    assert {t.tensor_type.name for t in tensors} == {"F32", "Q4_K", "Q6_K", "Q8_0", "Q5_K"}
+    # gguf-py's dequantisation (llama.cpp's reference), but for the (tied) embedding's 39M weights, which takes it 10 s:
+    # mini-infer's reading of those blocks, equal to gguf-py's bit for bit (test_k_quant_blocks_load_as_gguf_pys_...)
+    weights = {t.name: quantized(t).dequantize().numpy() if t.name == "token_embd.weight" else
+               gguf.quants.dequantize(t.data, t.tensor_type) for t in tensors}
+    (tmp_path / "config").mkdir()
+    write_config(tmp_path / "config", PRESETS["qwen3-moe-tiny"] | STRAIGHT)
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "config", experts_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()  # HF's grouped matmul refuses float64
+    reference = _float64_model_of(model, weights, "qwen3_moe")
+    llm = LLM(str(path), dtype="float32", cpu_kernels="on", num_kv_blocks=32)
+    _assert_greedy_as(llm, reference)
+    write_tokenizer(tmp_path / "tokenizer", "qwen3")
+    text = "Hello, world! 你好 <|im_start|>user\n<think>\n  def f(x):\n\treturn x  "
+    expected = transformers.AutoTokenizer.from_pretrained(tmp_path / "tokenizer")
+    assert llm.get_tokenizer().encode(text) == expected.encode(text)
 
 
 def test_the_files_own_vocabulary_tokenizes_as_the_models_tokenizer(tiny_model_dir, tmp_path):
@@ -436,6 +482,36 @@ def test_llama_cpps_own_converter_writes_files_that_load(tmp_path, preset, outty
     assert ours.get_tokenizer().encode(text) == theirs.get_tokenizer().encode(text)
     if outtype == "bf16":
         assert _prompt_logprobs(ours) == _prompt_logprobs(theirs)
+
+
+def _quantize_tool() -> Path | None:
+    from mini_infer.bench.peer_env import PeerVenv
+
+    tool = PeerVenv("llama.cpp-tools").root / "build" / "bin" / "llama-quantize"
+    return tool if tool.is_file() and _converter() is not None else None
+
+
+@pytest.mark.skipif(_quantize_tool() is None, reason="the llama.cpp peer's converter and llama-quantize are not set "
+                                                     "up here")
+def test_a_file_written_straight_has_the_types_llama_quantize_gives(tmp_path):
+    """Each tensor of make-model's Q4_K_M file has the type llama-quantize gives it in a Q4_K_M of the same preset
+    (converted to bf16 by llama.cpp's converter first): 16 experts, an untied head, 9 layers (use_more_bits picks
+    layers 0, 3, 6, 7 and 8). (The 8-expert case's Q8_0 / Q5_K attention was compared so once, on 16 layers, not here: a
+    second conversion costs another 30 s.)"""
+    from mini_infer.factory import make_model
+
+    overrides = dict(num_hidden_layers=9, num_experts=16, tie_word_embeddings=False)
+    source = make_model("qwen3-moe-tiny", tmp_path / "hf", overrides=STRAIGHT | overrides)
+    script = _converter()
+    subprocess.run([sys.executable, str(script), str(source), "--outtype", "bf16", "--outfile",
+                    str(tmp_path / "bf16.gguf")], check=True, capture_output=True,
+                   env={"PYTHONPATH": str(script.parents[3] / "converter-deps"), "PATH": "/usr/bin:/bin"})
+    subprocess.run([str(_quantize_tool()), str(tmp_path / "bf16.gguf"), str(tmp_path / "theirs.gguf"), "Q4_K_M"],
+                   check=True, capture_output=True)
+    ours = make_model("qwen3-moe-tiny", tmp_path / "ours.gguf", gguf="q4_k_m", overrides=STRAIGHT | overrides)
+    theirs = {t.name: (t.tensor_type.name, list(t.shape)) for t in GGUFHeader(tmp_path / "theirs.gguf").tensors}
+    assert {t.name: (t.tensor_type.name, list(t.shape)) for t in GGUFHeader(ours).tensors} == theirs
+    assert {kind for kind, _ in theirs.values()} >= {"Q4_K", "Q6_K"}
 
 
 def test_the_bench_runs_a_gguf_file_as_it_is(tmp_path):

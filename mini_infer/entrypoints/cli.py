@@ -46,6 +46,9 @@ def _build_parser() -> argparse.ArgumentParser:
     make.add_argument("--tokenizer-from", default=None,
                       help="copy tokenizer.json and tokenizer_config.json from this directory (default: build the "
                            "Qwen2.5 tokenizer from the dashscope package's vocabulary)")
+    make.add_argument("--gguf", default=None, choices=["q4_k_m"],
+                      help="write one GGUF file (--out FILE.gguf) with the weights quantised straight to this type, "
+                           "as llama-quantize assigns its types (a model too large to write in bfloat16 first)")
 
     gen = commands.add_parser("generate", help="stream a completion for one prompt")
     gen.add_argument("prompt")
@@ -103,8 +106,10 @@ def main(argv: list[str] | None = None) -> int:
 def _make_model(args) -> int:
     from mini_infer.factory import make_model
 
-    path = make_model(args.preset, args.out, seed=args.seed, dtype=args.dtype, tokenizer_from=args.tokenizer_from)
-    print(f"wrote the {args.preset} preset with random weights (seed {args.seed}, {args.dtype}) to {path}")
+    path = make_model(args.preset, args.out, seed=args.seed, dtype=args.dtype, tokenizer_from=args.tokenizer_from,
+                      gguf=args.gguf)
+    kind = args.gguf.upper() if args.gguf else args.dtype
+    print(f"wrote the {args.preset} preset with random weights (seed {args.seed}, {kind}) to {path}")
     return 0
 
 

@@ -22,11 +22,13 @@ model's dtype (exact in float32); the LM head keeps the file's type (the embeddi
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
 from mini_infer.config import ModelConfig
 from mini_infer.gguf_file import GROUP, QUANTIZED_TYPES, GGUFHeader, Tensor
@@ -170,7 +172,11 @@ def _unpermuted(q: QuantizedTensor, heads: int) -> QuantizedTensor:
     return replace(q, **{name: _unpermute(t, heads).contiguous() for name, t in q.row_tensors().items()})
 
 
-def load_gguf_weights(model: Qwen2ForCausalLM, config: ModelConfig, file: Path) -> None:
+def load_gguf_weights(model: Qwen2ForCausalLM, config: ModelConfig, file: Path,
+                      prepare: Callable[[list[tuple[nn.Module, str]]], None] | None = None) -> None:
+    """Load the file's tensors into `model`. A quantised projection is set as soon as the last of its parts is read
+    and handed to `prepare` (Ops.prepare: packed for its kernels) there and then, so that no more than one layer's
+    unpacked integers are alive at a time (a 30B model's would not fit 24 GiB beside their packed form)."""
     shard = model.shard
     float_config = replace(config, quantization=None)  # every tensor's float shape and target
     shapes = weight_map.expected_shapes(float_config, model.has_lm_head)
@@ -186,6 +192,18 @@ def load_gguf_weights(model: Qwen2ForCausalLM, config: ModelConfig, file: Path) 
         for layer in model.layers:
             layer.self_attn.qkv_bias.data.zero_()
     held: dict[str, QuantizedTensor] = {}  # quantised projections (without .weight) this rank holds
+    linear_of = {name: (module, attr, parts) for module, attr, parts in linears for name, _, _ in parts}
+
+    def set_linear(module: nn.Module, attr: str, parts) -> None:
+        stored = [held.pop(name) for name, _, _ in parts]
+        module._parameters.pop(attr)
+        if len({s.scheme for s in stored}) > 1:  # (a Q4_K_M file: q and k in Q4_K, v in Q6_K) each its own matmul
+            setattr(module, attr, StackedParts(tuple(stored)))
+        else:
+            setattr(module, attr, prequantized.concat(stored, f"{parts[0][0]} ({attr})"))
+        if prepare is not None:
+            prepare([(module, attr)])
+
     head: QuantizedTensor | None = None
     loaded: set[str] = set()
     for name, tensor in named_tensors(GGUFHeader(file)):
@@ -206,8 +224,12 @@ def load_gguf_weights(model: Qwen2ForCausalLM, config: ModelConfig, file: Path) 
             value = quantized(tensor)
             if name in permuted:
                 value = _unpermuted(value, permuted[name])
-            if name[:-len(".weight")] in parts_of:
-                held[name[:-len(".weight")]] = value
+            projection = name[:-len(".weight")]
+            if projection in parts_of:
+                held[projection] = value
+                module, attr, parts = linear_of[projection]
+                if all(part in held for part, _, _ in parts):
+                    set_linear(module, attr, parts)
                 continue
             head = value
             if name == "lm_head.weight":
@@ -228,17 +250,9 @@ def load_gguf_weights(model: Qwen2ForCausalLM, config: ModelConfig, file: Path) 
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"{file}: GGUF file is missing tensors: {shown}")
     for module, attr, parts in linears:
-        stored = [held.pop(name, None) for name, _, _ in parts]
-        if all(s is None for s in stored):
-            continue  # float parts: copied above
-        if any(s is None for s in stored):
+        if any(name in held for name, _, _ in parts):
             raise ValueError(f"{file}: {parts[0][0]} ({attr}): the fused projections {[n for n, _, _ in parts]} "
                              "are stored some quantised, some float; mini-infer fuses those of one kind")
-        module._parameters.pop(attr)
-        if len({s.scheme for s in stored}) > 1:  # (a Q4_K_M file: q and k in Q4_K, v in Q6_K) each its own matmul
-            setattr(module, attr, StackedParts(tuple(stored)))
-        else:
-            setattr(module, attr, prequantized.concat(stored, f"{parts[0][0]} ({attr})"))
     if head is not None:
         model._parameters.pop("lm_head", None)
         model.lm_head = head

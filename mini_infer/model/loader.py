@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import ctypes
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from mini_infer import gguf_file
 from mini_infer.config import ModelConfig
@@ -55,9 +57,12 @@ def _ignorable(name: str, config: ModelConfig, lm_head: bool) -> bool:
                                                 and name == "lm_head.weight")
 
 
-def load_weights(model: Qwen2ForCausalLM, config: ModelConfig, model_dir: Path) -> None:
+def load_weights(model: Qwen2ForCausalLM, config: ModelConfig, model_dir: Path,
+                 prepare: Callable[[list[tuple[nn.Module, str]]], None] | None = None) -> None:
+    """Load the checkpoint's tensors into `model`; a GGUF file's quantised projections go through `prepare` as they
+    are read (gguf_weights.load_gguf_weights)."""
     if (model_dir / gguf_file.LINK).exists():  # a GGUF file's directory (gguf_file.py)
-        return load_gguf_weights(model, config, model_dir / gguf_file.LINK)
+        return load_gguf_weights(model, config, model_dir / gguf_file.LINK, prepare)
     shard = model.shard
     lm_head = model.has_lm_head
     shapes = weight_map.expected_shapes(config, lm_head)
@@ -121,7 +126,7 @@ def load_model(config: ModelConfig, model_dir: Path, *, dtype: torch.dtype, devi
     """The network loaded from the checkpoint, with an LM head unless `lm_head` is False (an embedding model's)."""
     model = Qwen2ForCausalLM(config, dtype=dtype, device=device, max_positions=max_positions, ops=ops,
                              shard=comm.shard, comm=comm, lm_head=lm_head)
-    load_weights(model, config, model_dir)
+    load_weights(model, config, model_dir, ops.prepare)
     ops.prepare(model.linear_weights())
     if ops.quantization is not None:
         _release_freed_memory()  # the float weights just quantised: give their pages back, not only to malloc
