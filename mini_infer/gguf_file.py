@@ -32,10 +32,10 @@ from mini_infer.paths import cache_dir
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
                  "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
 FLOAT_TYPES = ("F32", "F16", "BF16")
-# type -> the bits of the int8 / int4 layout it loads into (model/gguf_weights.py): Q8_0 and Q4_0 as they are, the
-# K-quants Q4_K (4-bit q, a scale and a min per 32), Q5_K (5-bit q, the same) and Q6_K (6-bit q, a scale per 16) with
-# their two levels of scales
-QUANTIZED_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_K": 4, "Q5_K": 8, "Q6_K": 8}
+# type -> the bits of the int8 / int6 / int4 layout it loads into (model/gguf_weights.py): Q8_0 and Q4_0 as they
+# are, the K-quants Q4_K (4-bit q, a scale and a min per 32), Q5_K (5-bit q, the same) and Q6_K (6-bit q, a scale per
+# 16) with their two levels of scales
+QUANTIZED_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_K": 4, "Q5_K": 8, "Q6_K": 6}
 GROUP = 32
 LINK = "model.gguf"  # the link to the file in its model directory
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")

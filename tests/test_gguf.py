@@ -290,7 +290,7 @@ def test_k_quant_blocks_load_as_gguf_pys_dequantisation(tmp_path, kind):
     [(_, tensor)] = list(named_tensors(GGUFHeader(tmp_path / "k.gguf")))
     qt = quantized(tensor)
     theirs = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    expected = {"Q4_K": (4, 32, True, 8), "Q5_K": (8, 32, True, 8), "Q6_K": (8, 16, False, 16)}[kind]
+    expected = {"Q4_K": (4, 32, True, 8), "Q5_K": (8, 32, True, 8), "Q6_K": (6, 16, False, 16)}[kind]
     assert (qt.bits, qt.group, qt.zeros is not None, qt.super_groups) == expected
     assert qt.scales.dtype == torch.int8 and qt.super_scales.dtype == torch.float16
     assert qt.super_scales.shape == (40, 2) and qt.scales.shape == (40, 512 // expected[1])

@@ -22,7 +22,7 @@ METHODS = ("int8", "int4")
 # Two-level schemes as the GGUF K-quants load: Q4_K (int4 with mins, 8 groups of 32 a super-block), Q5_K (its 5-bit
 # q in bytes, with mins), Q6_K (int8 without mins, 16 groups of 16).
 TWO_LEVEL = {"q4_k": quant.Scheme(4, 32, True, torch.float16, 8), "q5_k": quant.Scheme(8, 32, True, torch.float16, 8),
-             "q6_k": quant.Scheme(8, 16, False, torch.float16, 16)}
+             "q6_k": quant.Scheme(6, 16, False, torch.float16, 16)}
 
 
 def skip_unless_runs(path: str) -> None:
@@ -222,6 +222,8 @@ def test_torch_int4_refuses_what_it_would_round_and_int8_groups():
     (8, 32, False, torch.float16, 0),  # one level of float16 scales
     (8, 32, False, torch.float32, 8),  # two levels whose top is not float16
     (4, 32, False, torch.float16, 8),  # two-level int4 without mins
+    (6, 16, False, torch.float32, 0),  # int6 in one level
+    (6, 16, True, torch.float16, 16),  # two-level int6 with mins
 ])
 def test_kernel_refuses_what_it_has_no_layout_for(bits, group, zeros, scale_dtype, super_groups):
     skip_unless_runs("avx2")
@@ -229,6 +231,22 @@ def test_kernel_refuses_what_it_has_no_layout_for(bits, group, zeros, scale_dtyp
     bad = quant.QuantPanels(packed.data, scale_dtype, zeros, bits, group, 16, 256, None, super_groups)
     with pytest.raises(ValueError, match="refused"):
         quant.quant_linear(torch.randn(1, 256), bad)
+
+
+@pytest.mark.parametrize("method", KERNEL_SCHEMES)
+def test_random_timing_weights_are_of_the_scheme_and_run(method):
+    """The autotuner's timing data (quant.random_quantized: integers and scales drawn without a float weight) has
+    the scheme of the weights it stands for, its integers in that scheme's range, and packs into a layout the
+    kernel runs (as the scheme's own weights of that shape)."""
+    skip_unless_runs("avx2")
+    scheme = quantized(torch.randn(40, 512), method, torch.float32).scheme
+    qt = quant.random_quantized(scheme, 40, 500, torch.Generator().manual_seed(0))
+    assert qt.scheme == scheme and qt.in_features == 500 and qt.q.shape == (40, 512)
+    low, high = {4: (0, 15), 6: (-32, 31), 8: (0 if scheme.super_groups and scheme.zeros else -127, 127)}[scheme.bits]
+    assert int(qt.q.min()) == low and int(qt.q.max()) == high
+    x = torch.randn(3, 500)
+    out = quant.quant_linear(x, quant.pack_panels(qt), None, "avx2")
+    torch.testing.assert_close(out, x.double() @ qt.dequantize().double().T, rtol=1e-3, atol=1e-3, check_dtype=False)
 
 
 @pytest.fixture(scope="module")

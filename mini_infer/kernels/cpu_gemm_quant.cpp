@@ -7,13 +7,14 @@
 //  - int4: w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g], q an unsigned nibble (zero null: 0).
 // Two-level scales (llama.cpp's K-quants, S > 0 groups under each float16 scale): w[n, k] = q[n, k] * d[n, b] *
 // sc[n, g] - dmin[n, b] * m[n, g] for group g in super-block b = g / S, sc and m int8, d and dmin float16 (mins
-// optional: 0), q signed 8-bit (int8) or an unsigned nibble (int4, mins required).
+// optional: 0), q signed 8-bit (int8), an unsigned nibble (int4, mins required) or signed 6-bit, -32..31 (int6, Q6_K's
+// q - 32, no mins).
 // Layout: panels of 16 output columns (columns past N are zero), each one run of bytes (`panel_layout`): its scales
 // [Kp / G, 16] float32 or bfloat16 (scale_dtype), then its zeros likewise (int4 with zero points) -- or, two-level,
 // d [Kp / (G S), 16] float16, dmin likewise, sc [Kp / G, 16] int8, m likewise --, padded to a
 // multiple of 64 bytes, then its q in steps of 64 bytes: 4 bytes per column of 4 k (int8: bytes k, k + 2, k + 1,
 // k + 3) or 8 k (int4: nibble d / 2 holds k + d for even d, 4 + d / 2 for odd d), so that in-lane shifts give int16
-// (k, k + 1) pairs. Kp: K rounded up to a multiple of G, or of G S (the weights past K are zero). A tile of NP panels
+// (k, k + 1) pairs; int6 steps of 96 bytes, q + 32's low nibbles as int4's and then its high bits (int6_pairs). Kp: K rounded up to a multiple of G, or of G S (the weights past K are zero). A tile of NP panels
 // reads NP streams (blocks of 8 panels whose steps alternated, one stream per tile, streamed 15-20 % slower at one row on a
 // Zen 4 EPYC). The scales inside the panel's run, not in an array of their own: read from there, one row's matmuls
 // over a 0.5B model's int8 weights streamed at 0.77-0.85 of the bf16 kernel's rate on a Zen 4, at 0.89-0.97 without
@@ -40,7 +41,7 @@
 namespace {
 
 enum DType : int { F32 = 0, BF16 = 1, F16 = 2 };  // F16: two-level scales' d and dmin only
-enum Bits : int { INT4 = 4, INT8 = 8 };
+enum Bits : int { INT4 = 4, INT6 = 6, INT8 = 8 };
 enum Prefetch : int { NEAR = 0, FAR = 1 };  // as cpu_gemm_avx512.cpp's
 constexpr int PANEL = 16;
 constexpr int MAX_GROUP = 512;
@@ -76,6 +77,17 @@ inline void int4_pairs(const uint8_t* p, VI* w) {
     w[1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
     w[2] = _mm512_and_si512(_mm512_srli_epi16(v, 8), nibble);
     w[3] = _mm512_srli_epi16(v, 12);
+}
+// int6 (two-level, Q6_K's q - 32): a step of 8 k is 64 bytes of low nibbles laid out as int4's, then 32 bytes of high
+// bits, byte i holding the top 2 bits of 16-bit lane i's four values (value t at bits 2t): q = (low | high << 4) - 32.
+inline void int6_pairs(const uint8_t* p, VI* w) {
+    const __m512i high = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64)));
+    const __m512i two = _mm512_set1_epi16(0x30), offset = _mm512_set1_epi16(32);
+    int4_pairs(p, w);
+    w[0] = _mm512_sub_epi16(_mm512_or_si512(w[0], _mm512_and_si512(_mm512_slli_epi16(high, 4), two)), offset);
+    w[1] = _mm512_sub_epi16(_mm512_or_si512(w[1], _mm512_and_si512(_mm512_slli_epi16(high, 2), two)), offset);
+    w[2] = _mm512_sub_epi16(_mm512_or_si512(w[2], _mm512_and_si512(high, two)), offset);
+    w[3] = _mm512_sub_epi16(_mm512_or_si512(w[3], _mm512_and_si512(_mm512_srli_epi16(high, 2), two)), offset);
 }
 inline void scale_columns(const void* p, int dtype, VF* s) {
     if (dtype == BF16) {
@@ -125,6 +137,19 @@ inline void int4_pairs(const uint8_t* p, VI* w) {
         w[2 + h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
         w[4 + h] = _mm256_and_si256(_mm256_srli_epi16(v, 8), nibble);
         w[6 + h] = _mm256_srli_epi16(v, 12);
+    }
+}
+inline void int6_pairs(const uint8_t* p, VI* w) {
+    const __m256i two = _mm256_set1_epi16(0x30), offset = _mm256_set1_epi16(32);
+    int4_pairs(p, w);
+    for (int h = 0; h < 2; ++h) {
+        const __m256i high = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 64 + 16 * h)));
+        w[h] = _mm256_sub_epi16(_mm256_or_si256(w[h], _mm256_and_si256(_mm256_slli_epi16(high, 4), two)), offset);
+        w[2 + h] = _mm256_sub_epi16(_mm256_or_si256(w[2 + h], _mm256_and_si256(_mm256_slli_epi16(high, 2), two)),
+                                    offset);
+        w[4 + h] = _mm256_sub_epi16(_mm256_or_si256(w[4 + h], _mm256_and_si256(high, two)), offset);
+        w[6 + h] = _mm256_sub_epi16(_mm256_or_si256(w[6 + h], _mm256_and_si256(_mm256_srli_epi16(high, 2), two)),
+                                    offset);
     }
 }
 inline void scale_columns(const void* p, int dtype, VF* s) {
@@ -276,7 +301,8 @@ inline void tile(const Problem& p, int m0, int panel0, const uint8_t* limit) {
     VF acc[MR][NP][L];
     fill(acc, fzero());
     const int groups = p.Kp / p.G;
-    constexpr int64_t STEP_BYTES = 64;  // a panel's bytes per step: 4 k (int8) or 8 k (int4) of 16 columns
+    // a panel's bytes per step: 4 k (int8), 8 k (int4; int6: 64 bytes of low nibbles and 32 of high bits) of 16 columns
+    constexpr int64_t STEP_BYTES = BITS == INT6 ? 96 : 64;
     constexpr int STEP_K = BITS == INT8 ? 4 : 8, PAIRS = STEP_K / 2;
     const uint8_t* base[NP];
 #pragma GCC unroll 8
@@ -300,7 +326,10 @@ inline void tile(const Problem& p, int m0, int panel0, const uint8_t* limit) {
             for (int j = 0; j < NP; ++j) {
                 VI w[PAIRS * L];
                 prefetch<PF, NP>(base[j] + at, p.layout.q + at, p.layout.bytes, limit);
+                if constexpr (BITS == INT6)  // 1.5 lines a step: the next line's prefetch too
+                    prefetch<PF, NP>(base[j] + at + 64, p.layout.q + at + 64, p.layout.bytes, limit);
                 if constexpr (BITS == INT8) int8_pairs(base[j] + at, w);
+                else if constexpr (BITS == INT6) int6_pairs(base[j] + at, w);
                 else int4_pairs(base[j] + at, w);
 #pragma GCC unroll 8
                 for (int i = 0; i < MR; ++i)
@@ -491,9 +520,10 @@ RoundedRows round_rows(const void* x, int x_dtype, const int32_t* perm, bool sum
 // One-level (S = 0): float32 or bfloat16 scales, zero points for int4 only. Two-level (S > 0): float16 d (and dmin),
 // mins optional for int8 and required for int4 (whose q carry no offset of 8 there).
 bool refused(int bits, int G, int S, int zeros, int scale_dtype, std::initializer_list<int> dtypes) {
-    if ((bits != INT8 && bits != INT4) || G < 8 || G % 8 || G > MAX_GROUP || S < 0 || S > 64) return true;
-    if (S == 0 ? (scale_dtype != F32 && scale_dtype != BF16) || (bits == INT8 && zeros)
-               : scale_dtype != F16 || (bits == INT4 && !zeros))
+    if ((bits != INT8 && bits != INT4 && bits != INT6) || G < 8 || G % 8 || G > MAX_GROUP || S < 0 || S > 64)
+        return true;
+    if (S == 0 ? (scale_dtype != F32 && scale_dtype != BF16) || bits == INT6 || (bits == INT8 && zeros)
+               : scale_dtype != F16 || (bits == INT4 && !zeros) || (bits == INT6 && zeros))
         return true;
     for (int dtype : dtypes)
         if (dtype != F32 && dtype != BF16) return true;
@@ -504,7 +534,7 @@ bool refused(int bits, int G, int S, int zeros, int scale_dtype, std::initialize
 
 // x [M, K] float32 or bfloat16, read as x[:, perm] where perm (int32 [K], a permutation of 0..K-1: a GPTQ
 // checkpoint's act-order columns) is not null; panels as above (zeros: whether they hold zero points, int4 only, or
-// two-level mins); bits 8 or 4; group G (a multiple of 8, at most 512); S groups per super-block of two-level scales
+// two-level mins); bits 8, 4 or 6 (two-level only); group G (a multiple of 8, at most 512); S groups per super-block of two-level scales
 // (scale_dtype float16), or 0 (one level). Returns 0, or 1 (nothing written) where bits, G, S or the dtypes are out of
 // range.
 extern "C" int gemm_quant(const void* x, int x_dtype, const int32_t* perm, const void* panels, int zeros,
@@ -521,6 +551,7 @@ extern "C" int gemm_quant(const void* x, int x_dtype, const int32_t* perm, const
                     bias ? bias32.data() : nullptr, out, scale_dtype, out_dtype, M, N, Kp, G, S};
     const bool far = prefetch_mode == FAR;
     if (bits == INT8) far ? run<INT8, FAR>(p, threads) : run<INT8, NEAR>(p, threads);
+    else if (bits == INT6) far ? run<INT6, FAR>(p, threads) : run<INT6, NEAR>(p, threads);
     else far ? run<INT4, FAR>(p, threads) : run<INT4, NEAR>(p, threads);
     return 0;
 }
@@ -562,6 +593,7 @@ extern "C" int gemm_quant_grouped(const void* x, int x_dtype, const void* const*
             const int hi = static_cast<int>(end < (j + 1) * per ? end - j * per : per);
             if (p.M == 0 || lo >= hi) continue;
             if (bits == INT8) far ? share_rows<INT8, FAR>(p, lo, hi) : share_rows<INT8, NEAR>(p, lo, hi);
+            else if (bits == INT6) far ? share_rows<INT6, FAR>(p, lo, hi) : share_rows<INT6, NEAR>(p, lo, hi);
             else far ? share_rows<INT4, FAR>(p, lo, hi) : share_rows<INT4, NEAR>(p, lo, hi);
         }
     }

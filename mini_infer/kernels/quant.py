@@ -6,9 +6,9 @@
   `_weight_int4pack_mm_for_cpu` computes the same weights. Pre-quantised checkpoints (model/prequantized.py) add int4
   with a zero point per group, w = (q - 8) * scale + zero.
 - two-level (llama.cpp's K-quants, read from GGUF files: model/gguf_weights.py): int8 scales sc (and mins m) per group,
-  under float16 ones d (and dmin) per super-block of `super_groups` groups, w = q * d * sc - dmin * m; q int8 (Q6_K's
-  q - 32, Q5_K's 0..31) or 0..15 in int4 (Q4_K, with mins). The kernel reads the two levels as they are
-  (docs/decisions/027-k-quant-layout.md).
+  under float16 ones d (and dmin) per super-block of `super_groups` groups, w = q * d * sc - dmin * m; q int8 (Q5_K's
+  0..31), 0..15 in int4 (Q4_K, with mins) or int6 (Q6_K's q - 32, -32..31, held in int8, packed in 6 bits). The
+  kernel reads the two levels as they are (docs/decisions/027-k-quant-layout.md).
 
 A weight is quantised once into a `QuantizedTensor` (the integers and per-group scales, row-major), from which each
 matmul that can run it takes its own packed copy: mini-infer's kernel (cpu_gemm_quant.cpp, AVX2 or AVX-512: x rounded
@@ -154,7 +154,8 @@ def quantize(weight: torch.Tensor, method: str | Scheme, scale_dtype: torch.dtyp
     scheme = method if isinstance(method, Scheme) else method_scheme(method, scale_dtype)
     scale_dtype = scheme.scale_dtype
     if scheme.super_groups:
-        if scheme.scale_dtype != torch.float16 or (scheme.bits == 4 and not scheme.zeros) or scheme.bits not in (4, 8):
+        mins_rule = scheme.zeros if scheme.bits == 4 else not scheme.zeros if scheme.bits == 6 else True
+        if scheme.scale_dtype != torch.float16 or scheme.bits not in (4, 6, 8) or not mins_rule:
             raise ValueError(f"quantize: no two-level scheme {scheme.name} with {scheme.scale_dtype} scales")
     elif scheme.bits not in (4, 8) or (scheme.bits == 8 and scheme.zeros):
         raise ValueError(f"quantize: no int{scheme.bits} scheme{' with zero points' if scheme.zeros else ''}")
@@ -194,9 +195,9 @@ def _two_level(w: torch.Tensor, scheme: Scheme, in_features: int) -> QuantizedTe
     """w [N, groups, group] in two levels: each group's scale s (and min mn >= 0, the part of its range below 0)
     split into d * sc, with d one float16 per super-block sized so that sc <= 127 and sc rounded up (d * sc >= s, so
     that q stays in range); mins as dmin * m, m rounded to nearest. q: int8 in [-127, 127] without mins, [0, 127]
-    with; int4 (mins required) [0, 15]."""
+    with; int4 (mins required) [0, 15]; int6 (no mins) [-31, 31]."""
     rows, groups, _ = w.shape
-    supers, top = groups // scheme.super_groups, (15 if scheme.bits == 4 else 127)
+    supers, top = groups // scheme.super_groups, {4: 15, 6: 31, 8: 127}[scheme.bits]
 
     def split(values: torch.Tensor, up: bool) -> tuple[torch.Tensor, torch.Tensor]:  # [N, groups] -> (d, int8)
         by_super = values.view(rows, supers, scheme.super_groups)
@@ -222,6 +223,35 @@ def _two_level(w: torch.Tensor, scheme: Scheme, in_features: int) -> QuantizedTe
                            scheme.super_groups)
 
 
+def random_quantized(scheme: Scheme, out_features: int, in_features: int,
+                     generator: torch.Generator | None = None) -> QuantizedTensor:
+    """A QuantizedTensor of `scheme` with random integers and scales (the autotuner's timing data: a kernel's speed
+    does not depend on the values), made without a float weight: an LM head's [151936, 2048] is 1.2 GB in float32,
+    several times that while quantise works, its integers 0.3 GB."""
+    unit = scheme.group * max(scheme.super_groups, 1)
+    padded = -(-in_features // unit) * unit
+    groups = padded // scheme.group
+    low, high, kind = {4: (0, 16, torch.uint8), 6: (-32, 32, torch.int8), 8: (-127, 128, torch.int8)}[scheme.bits]
+    if scheme.bits == 8 and scheme.super_groups and scheme.zeros:
+        low = 0  # (as _two_level's: int8 q under mins is 0..127)
+    q = torch.randint(low, high, (out_features, padded), dtype=kind, generator=generator)
+    if scheme.super_groups:
+        supers = groups // scheme.super_groups
+
+        def level(count: int) -> tuple[torch.Tensor, torch.Tensor]:  # int8 sub-scales, float16 ones over them
+            sub = torch.randint(1, 64, (out_features, groups), dtype=torch.int8, generator=generator)
+            return sub, (torch.rand(out_features, count, generator=generator) * 1e-3).to(torch.float16)
+
+        sc, d = level(supers)
+        m, dmin = level(supers) if scheme.zeros else (None, None)
+        return QuantizedTensor(q, sc, m, scheme.bits, scheme.group, in_features, torch.float16, None, d, dmin,
+                               scheme.super_groups)
+    scales = (torch.rand(out_features, groups, generator=generator) * 1e-2).to(scheme.scale_dtype).float()
+    zeros = (torch.rand(out_features, groups, generator=generator) * 1e-2).to(scheme.scale_dtype).float() \
+        if scheme.zeros else None
+    return QuantizedTensor(q, scales, zeros, scheme.bits, scheme.group, in_features, scheme.scale_dtype)
+
+
 @dataclass(frozen=True, slots=True)
 class StackedParts:
     """A fused weight (q, k, v; gate, up) whose parts are quantised differently (a GGUF Q4_K_M file's Q4_K q and k
@@ -236,9 +266,9 @@ class QuantPanels:
     of `data`, uint8 [P, panel bytes]): its scales [Kp / group, 16] (bfloat16 where they hold bf16 values, else
     float32), its zeros likewise (int4 with zero points), zero-padded to a multiple of 64 bytes, then its q in steps
     of 4 bytes per column holding 4 k (int8, in the order k, k + 2, k + 1, k + 3) or 8 k (int4, k + d in nibble d / 2
-    for even d and 4 + d / 2 for odd d), [Kp / 4 or Kp / 8, 16, 4] bytes; perm int32 [K] as QuantizedTensor's, or
-    None. Two-level: d, dmin (float16, [Kp / (group * super_groups), 16] each), sc, m (int8, [Kp / group, 16]) in the
-    head instead."""
+    for even d and 4 + d / 2 for odd d), [Kp / 4 or Kp / 8, 16, 4] bytes (int6: steps of 8 k, q + 32's low nibbles
+    as int4's then its high bits, [Kp / 8, 96] bytes); perm int32 [K] as QuantizedTensor's, or None. Two-level: d,
+    dmin (float16, [Kp / (group * super_groups), 16] each), sc, m (int8, [Kp / group, 16]) in the head instead."""
 
     data: torch.Tensor
     scale_dtype: torch.dtype  # the scales' and zeros' storage: bfloat16 or float32 (two-level: float16, d's)
@@ -266,16 +296,28 @@ _INT8_ORDER = [0, 2, 1, 3]  # byte b of a column's step holds k + _INT8_ORDER[b]
 _INT4_NIBBLE = [0, 4, 1, 5, 2, 6, 3, 7]  # k + d goes to nibble _INT4_NIBBLE[d]
 
 
+def _int4_words(nibbles: torch.Tensor) -> torch.Tensor:
+    """[N, steps, 8] uint8 values 0..15 -> [N, steps, 4] bytes: each step's 32-bit word (little-endian), k + d in
+    nibble _INT4_NIBBLE[d], so byte b holds nibbles 2b and 2b + 1. In uint8 throughout: an LM head's temporaries
+    stay the size of its integers."""
+    d_of = [_INT4_NIBBLE.index(n) for n in range(8)]  # the k + d in nibble n
+    return torch.stack([nibbles[..., d_of[2 * b]] | (nibbles[..., d_of[2 * b + 1]] << 4) for b in range(4)], dim=-1)
+
+
 def pack_panels(qt: QuantizedTensor) -> QuantPanels:
     rows, padded = qt.q.shape
     if qt.bits == 8:
-        words = qt.q.view(rows, padded // 4, 4)[:, :, _INT8_ORDER].contiguous().view(torch.uint8)
-    else:
-        nibbles = qt.q.view(rows, padded // 8, 8).to(torch.int64)
-        shifts = 4 * torch.tensor(_INT4_NIBBLE, dtype=torch.int64)
-        value = (nibbles << shifts).sum(dim=-1)  # the 32-bit word, little-endian bytes below
-        words = torch.stack([(value >> (8 * b)) & 0xFF for b in range(4)], dim=-1).to(torch.uint8)
-    q = _panels(words)
+        q = _panels(qt.q.view(rows, padded // 4, 4)[:, :, _INT8_ORDER].contiguous().view(torch.uint8))
+    elif qt.bits == 4:
+        q = _panels(_int4_words(qt.q.view(rows, padded // 8, 8)))
+    else:  # int6: q + 32's low nibbles as int4's, then its high 2 bits, 2 bytes a column (k + d's at bit 2 (d // 2) of
+        # byte d % 2: the 16-bit lane holding d's nibble), each step's 64 + 32 bytes together
+        u = (qt.q.view(torch.uint8) + 32).view(rows, padded // 8, 8)  # (wraps: -32..31 -> 0..63)
+        high = u >> 4
+        pairs = torch.stack([high[..., p] | (high[..., p + 2] << 2) | (high[..., p + 4] << 4) | (high[..., p + 6] << 6)
+                             for p in (0, 1)], dim=-1)
+        low_panels, high_panels = _panels(_int4_words(u & 15)), _panels(pairs)
+        q = torch.cat([low_panels.flatten(2), high_panels.flatten(2)], dim=2)
     if qt.super_groups:
         stored = torch.float16
         parts = [qt.super_scales, qt.super_mins, qt.scales, qt.zeros]  # float16 d, dmin, then int8 sc, m

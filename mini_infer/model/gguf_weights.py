@@ -13,7 +13,7 @@ the block's first 16 values in the low nibbles and the next 16 in the high ones,
 and int4 layouts with groups of 32 (kernels/quant.py, decision 002): their integers and scales load unchanged, so the
 weights are exactly llama.cpp's. The K-quants keep their integers and both levels of their scales (kernels/quant.py's
 two-level layout, docs/decisions/027-k-quant-layout.md): Q4_K as int4 with mins (4.625 bits a weight against the
-file's 4.5), Q5_K and Q6_K with their 5- and 6-bit integers in bytes (8.625 and 8.56 bits against 5.5 and 6.56). A
+file's 4.5), Q6_K as int6 (6.56 bits, as the file's), Q5_K with its 5-bit integers in bytes (8.625 bits against 5.5). A
 fused weight whose parts are of different types (a Q4_K_M file's Q4_K q and k with a Q6_K v) keeps them apart
 (StackedParts), each its own matmul. A quantised embedding is a lookup table, not a matmul: it is expanded to the
 model's dtype (exact in float32); the LM head keeps the file's type (the embedding's, when the head is tied).
@@ -139,13 +139,13 @@ def _q5_k(blocks: torch.Tensor, rows: int, cols: int) -> QuantizedTensor:
 
 def _q6_k(blocks: torch.Tensor, rows: int, cols: int) -> QuantizedTensor:
     """Q6_K (210 bytes: 128 of q's low 4 bits, 64 of their high 2, 16 int8 scales, d): sub-block j of 16 weights is
-    (q - 32) d sc_j, q in 0..63: int8 (q - 32) in groups of 16, two levels, no mins."""
+    (q - 32) d sc_j, q in 0..63: int6 (q - 32, held in int8) in groups of 16, two levels, no mins."""
     low = blocks[:, :, :128].reshape(rows, -1, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 2, 1)
     high = blocks[:, :, 128:192].reshape(rows, -1, 2, 1, 32) >> torch.tensor(
         [0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1)
     q = ((low & 0x0F).reshape(rows, -1, 8, 32) | ((high & 0x03).reshape(rows, -1, 8, 32) << 4)).to(torch.int8) - 32
     sc = blocks[:, :, 192:208].contiguous().view(torch.int8).reshape(rows, -1)
-    return QuantizedTensor(q.reshape(rows, cols).contiguous(), sc, None, 8, 16, cols, torch.float16, None,
+    return QuantizedTensor(q.reshape(rows, cols).contiguous(), sc, None, 6, 16, cols, torch.float16, None,
                            _halves(blocks[:, :, 208:210]), None, 16)
 
 

@@ -369,7 +369,8 @@ def _prepared(weight) -> bool:
 
 class _LinearTimer:
     """Times one call of a candidate matmul on random data of a weight's shape (the weights made once per shape,
-    the rows once per row count), quantised as the engine quantises where it does.
+    the rows once per row count): a float weight, or random integers and scales of the quantised scheme
+    (quant.random_quantized).
 
     A decode step's matmuls (up to STREAMING_ROWS rows, the decode buckets) stream their weights from memory (a
     model's weights far exceed the caches), so those calls are timed with the weight's lines flushed from every cache
@@ -386,14 +387,14 @@ class _LinearTimer:
 
     def __call__(self, candidate: str, rows: int, out_features: int, in_features: int) -> float:
         if self._shape != (out_features, in_features):
-            self._shape, self._rows = (out_features, in_features), {}
-            dense = torch.randn(out_features, in_features).to(self.dtype)
-            self._weights = {"torch": dense}
+            self._shape, self._rows, self._weights = (out_features, in_features), {}, {}
             if self.scheme is not None:
-                qt = quant.quantize(dense, self.scheme, self.scheme.scale_dtype)
+                qt = quant.random_quantized(self.scheme, out_features, in_features)
                 self._weights = {"quant": quant.pack_panels(qt)}
                 if quant.torch_int4_available(self.scheme, self.dtype) is None:
                     self._weights["torch"] = quant.pack_torch_int4(qt, self.dtype)
+            else:
+                self._weights = {"torch": torch.randn(out_features, in_features).to(self.dtype)}
         if rows not in self._rows:
             self._rows[rows] = torch.randn(rows, in_features).to(self.dtype)
         x = self._rows[rows]
