@@ -331,6 +331,32 @@ def test_run_systems_interleaves_every_rep_and_drops_a_failing_optional_system()
     assert records["llama.cpp"] == {"reason": "RuntimeError: llama.cpp broke", "setup": None, "runs": {}}
 
 
+def test_one_at_a_time_loads_each_system_alone_once_a_rep_in_alternating_order():
+    """--one-at-a-time (a model two systems cannot hold together): a rep builds one system, runs each case's warm-up
+    and one timed run, closes it, then the next; the order reverses every rep; a system that fails is dropped."""
+    calls, built = [], []
+    second_fails = {"llama.cpp": 3}  # llama.cpp's second load fails its third run
+    systems = {name: (lambda name=name: _FakeSystem(name, calls, fail_at=second_fails.get(name)
+                                                    if built.count(name) == 2 else None))
+               for name in ("mini-infer", "llama.cpp")}
+
+    class Factory:
+        def build(self, name):
+            built.append(name)
+            return systems[name]()
+
+    cases = [Case("B=1", [[1]], [2], [[1]], [1]), Case("B=2", [[1], [2]], [2, 2], [[1]], [1])]
+    records = run_systems(Factory(), ["mini-infer", "llama.cpp"], cases, 3, lambda _: None, settle=lambda: None,
+                          one_at_a_time=True)
+    assert built == ["mini-infer", "llama.cpp", "llama.cpp", "mini-infer", "mini-infer"]
+    one_rep = [1, 1, 1, 2, "closed"]  # B=1's warm-up and run, B=2's warm-up (one prompt) and run, closed
+    assert calls == ([("mini-infer", c) for c in one_rep] + [("llama.cpp", c) for c in one_rep]
+                     + [("llama.cpp", 1), ("llama.cpp", 1), ("llama.cpp", "closed")]  # rep 2: fails at B=2's warm-up
+                     + [("mini-infer", c) for c in one_rep] * 2)
+    assert [len(records["mini-infer"]["runs"][label]) for label in ("B=1", "B=2")] == [3, 3]
+    assert records["llama.cpp"] == {"reason": "RuntimeError: llama.cpp broke", "setup": None, "runs": {}}
+
+
 def test_structured_outputs_workload_prices_each_constraint_against_plain(tiny_model_dir, tmp_path):
     out = tmp_path / "so"
     assert main(["bench", "--workload", "structured-outputs", "--model", str(tiny_model_dir), "--dtype", "float32",

@@ -64,6 +64,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                              "mini-infer runs) and llama.cpp's GGUF of the same bits, q8_0 or q4_0 (where llama.cpp "
                              "runs); or name mini-infer-int8, llama.cpp-q4_0 ... in --systems")
     parser.add_argument("--reps", type=int, default=None, help="timed runs per setting (default 3, random 1)")
+    parser.add_argument("--one-at-a-time", action="store_true",
+                        help="fixed workload: load each system alone, in turn, once per rep (the order reversed every "
+                             "rep), for a model that two systems cannot hold in memory together")
     parser.add_argument("--out", default=None, help="results folder (default bench-results/<timestamp>)")
     fixed = parser.add_argument_group("fixed and prefill workloads")
     fixed.add_argument("--batch-sizes", default="1,8", help="comma list")
@@ -127,6 +130,7 @@ class BenchOptions:
     gguf_outtype: str | None
     kl_base: str | None
     reps: int
+    one_at_a_time: bool
     out: Path
     quantization: tuple[str, ...]  # --quantization's methods
     batch_sizes: tuple[int, ...]
@@ -179,6 +183,8 @@ class BenchOptions:
             workload = f"speculative-{args.speculative}"
         if workload.startswith("speculative") and len(methods) > 1:
             raise ValueError(f"--quantization: the speculative workloads quantise the target one way, got {methods}")
+        if args.one_at_a_time and workload != "fixed":
+            raise ValueError(f"--one-at-a-time is the fixed workload's, not {workload}'s")
         if args.kl_base is not None and workload != "kl":
             raise ValueError(f"--kl-base is the kl workload's, not {workload}'s")
         reps = args.reps if args.reps is not None else (1 if workload == "random" else 3)

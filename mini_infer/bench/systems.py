@@ -8,6 +8,7 @@ counted the same way for every system, from the generated token ids.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import subprocess
@@ -22,6 +23,7 @@ from mini_infer.bench.peers import PEER_NAMES, build_peer
 from mini_infer.bench.report import RunResult
 from mini_infer.config import EngineConfig
 from mini_infer.engine.data_parallel import create_engine
+from mini_infer.model.loader import release_freed_memory
 from mini_infer.sampling_params import RequestOutputKind, SamplingParams
 
 DEFAULT_SYSTEMS = ("hf-generate", "hf-continuous", "mini-infer")
@@ -86,7 +88,11 @@ class MiniInferSystem:
                 "rss_bytes": self.rss}
 
     def close(self) -> None:
+        """Shut the engine down and give its memory back to the OS (--one-at-a-time loads the next system into it)."""
         self.engine.shutdown()
+        self.engine = None
+        gc.collect()
+        release_freed_memory()
 
 
 _RSS_PROBE = """
@@ -213,7 +219,8 @@ def wait_for_idle(log: Callable[[str], None], probe: Callable[[], float] | None 
 
 
 def run_systems(factory: SystemFactory, names: list[str], cases: list[Case], reps: int,
-                log: Callable[[str], None], settle: Callable[[], object] | None = None) -> dict[str, dict]:
+                log: Callable[[str], None], settle: Callable[[], object] | None = None,
+                one_at_a_time: bool = False) -> dict[str, dict]:
     """Per system {"reason": None, "setup": its `info` (a peer's versions and setup) or None, "runs": {case label:
     [RunResult per rep]}}; an optional system that fails gets {"reason": its one-line error, "setup": None,
     "runs": {}}, other failures propagate.
@@ -221,7 +228,11 @@ def run_systems(factory: SystemFactory, names: list[str], cases: list[Case], rep
     Every system is loaded first; then each case runs every system's warm-up, and each rep runs every system in
     turn. A machine of this kind drifts 30-40 % in speed over minutes, so systems timed one after the other (all
     of one, then all of the next) would compare different machines; interleaved, the drift falls on all alike.
-    Before each run, `settle` (default: wait_for_idle) waits for the previous system's processes to go quiet."""
+    Before each run, `settle` (default: wait_for_idle) waits for the previous system's processes to go quiet.
+
+    one_at_a_time (a model that two systems cannot hold in memory together: the Qwen3-30B-A3B shape at 4 bits in
+    24 GiB): each rep loads every system in turn, alone, runs each case's warm-up and one timed run, and closes it;
+    the order reverses every rep (A B, B A, ...), so that a steady drift falls on both alike over two reps."""
     records, loaded = {}, {}
     settle = settle or (lambda: wait_for_idle(log))
 
@@ -244,6 +255,26 @@ def run_systems(factory: SystemFactory, names: list[str], cases: list[Case], rep
             except Exception as error:
                 fail(name, error)
 
+    if one_at_a_time:
+        for rep in range(reps):
+            for name in names if rep % 2 == 0 else names[::-1]:
+                if records.get(name, {}).get("reason") is not None:
+                    continue  # failed in an earlier rep
+                settle()
+                log(f"{name}: loading, alone (rep {rep + 1}/{reps})")
+                try:
+                    loaded[name] = factory.build(name)
+                    records.setdefault(name, {"reason": None, "setup": getattr(loaded[name], "info", None),
+                                              "runs": {}})
+                    for case in cases:
+                        _warm_up(name, loaded[name], case, log)
+                        _timed(name, loaded[name], case, rep, reps, records, log)
+                except Exception as error:
+                    fail(name, error)
+                system = loaded.pop(name, None)
+                if system is not None:
+                    system.close()
+        return {name: records[name] for name in names}
     try:
         for name in names:
             log(f"{name}: loading")

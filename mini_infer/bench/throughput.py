@@ -42,7 +42,8 @@ def run_fixed(options: BenchOptions, model_dir: str, log: Callable[[str], None])
                             max_seq_len=options.prompt_len + new_tokens, gguf_outtype=options.gguf_outtype, log=log,
                             measure_rss=any(name.startswith("mini-infer-int") for name in options.systems),
                             device=options.device)
-    records = run_systems(factory, list(options.systems), cases, options.reps, log)
+    records = run_systems(factory, list(options.systems), cases, options.reps, log,
+                          one_at_a_time=options.one_at_a_time)
     points = {b: roofline(cost, ceilings, b) for b in options.batch_sizes}
     systems = {name: {"reason": record["reason"], "setup": record["setup"],
                       "results": [_batch_result(b, record["runs"][f"B={b}"], b * new_tokens, points[b].tok_s)
@@ -57,7 +58,8 @@ def run_fixed(options: BenchOptions, model_dir: str, log: Callable[[str], None])
         for result in system["results"]:
             result["speedup_vs_hf_generate"] = speedup(result["tok_s"]["median"], base.get(result["batch_size"]))
     config = {"model": model_dir, "dtype": options.dtype, "device": options.device, "systems": list(options.systems),
-              "reps": options.reps, "batch_sizes": list(options.batch_sizes), "prompt_len": options.prompt_len,
+              "reps": options.reps, "one_at_a_time": options.one_at_a_time, "batch_sizes": list(options.batch_sizes),
+              "prompt_len": options.prompt_len,
               "max_new_tokens": new_tokens, "warmup_tokens": options.warmup_tokens}
     return {"workload": "fixed", "config": config, "ceilings": asdict(ceilings), "decode_cost": asdict(cost),
             "roofline": [asdict(p) for p in points.values()], "systems": systems}
@@ -83,7 +85,8 @@ def _fixed_headline(report: dict) -> list[str]:
     memory = ceilings.get("memory_kind", "read")
     memory = "memory read" if memory == "read" else f"memory ({memory}: bytes read + written)"
     lines = [f"{config['model']} ({config['dtype']}), {config['prompt_len']} prompt + {config['max_new_tokens']} "
-             f"new tokens per request, {config['reps']} reps",
+             f"new tokens per request, {config['reps']} reps" + (", each system loaded alone once a rep, in turn"
+                                                                   if config.get("one_at_a_time") else ""),
              f"ceilings: {_compute_ceiling(ceilings)}, {memory} {ceilings['read_gbs']:.1f} GB/s; a decode step "
              f"reads {report['decode_cost']['weight_bytes'] / 1e6:.0f} MB of {config['dtype']} weights (the roofline)"]
     if any("weight_bytes" in r for s in report["systems"].values() for r in s["results"]):

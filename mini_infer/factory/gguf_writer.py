@@ -216,6 +216,7 @@ def write_gguf(config: dict, out: Path, file_type: str, seed: int) -> None:
             writer.write_tensor_data(_float_tensor(name, shape, rng) if kind == "F32" else
                                      random_blocks(kind, int(np.prod(shape)), rng))
         writer.close()
+        os.chmod(staging, 0o644)  # mkstemp creates it owner-only
         os.replace(staging, out)
     except BaseException:
         Path(staging).unlink(missing_ok=True)

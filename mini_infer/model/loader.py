@@ -129,11 +129,11 @@ def load_model(config: ModelConfig, model_dir: Path, *, dtype: torch.dtype, devi
     load_weights(model, config, model_dir, ops.prepare)
     ops.prepare(model.linear_weights())
     if ops.quantization is not None:
-        _release_freed_memory()  # the float weights just quantised: give their pages back, not only to malloc
+        release_freed_memory()  # the float weights just quantised: give their pages back, not only to malloc
     return model.eval()
 
 
-def _release_freed_memory() -> None:
+def release_freed_memory() -> None:
     """glibc keeps freed heap memory for reuse; malloc_trim returns it to the OS (elsewhere: nothing to do)."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
