@@ -38,6 +38,19 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 QUANTIZED_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_K": 4, "Q5_K": 8, "Q6_K": 6}
 GROUP = 32
 LINK = "model.gguf"  # the link to the file in its model directory
+# llama.cpp's tensor names -> HF's (model/gguf_weights.py loads by them, factory/gguf_writer.py writes by them)
+GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                "output.weight": "lm_head.weight"}
+LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+               "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+               "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_gate_inp": "mlp.gate",
+               "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+               "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
+EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}  # [E, out, in]
+# a block's bytes, by type
+BLOCK_BYTES = {"Q8_0": 2 + GROUP, "Q4_0": 2 + GROUP // 2, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+SUPER_BLOCK = 256  # the K-quants' weights per block (QK_K)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 _SAMPLING = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
              "penalty_repeat": "repetition_penalty"}  # general.sampling.* -> generation_config.json

@@ -345,10 +345,11 @@ def test_a_q4_k_m_file_written_straight_runs_as_the_float64_model_of_its_weights
     tokenizer and runs it as HF's float64 model of the file's dequantised weights."""
     import transformers
 
-    from mini_infer.factory import PRESETS, make_model, write_config, write_tokenizer
+    from mini_infer.factory import PRESETS, write_config, write_tokenizer
+    from mini_infer.factory.gguf_writer import make_gguf
     from mini_infer.model.gguf_weights import quantized
 
-    path = make_model("qwen3-moe-tiny", tmp_path / "model.gguf", seed=2, gguf="q4_k_m", overrides=STRAIGHT)
+    path = make_gguf("qwen3-moe-tiny", tmp_path / "model.gguf", "q4_k_m", seed=2, overrides=STRAIGHT)
     tensors = GGUFHeader(path).tensors  # (as gguf-py's GGUFReader reads them, in a fraction of its time)
     assert {t.tensor_type.name for t in tensors} == {"F32", "Q4_K", "Q6_K", "Q8_0", "Q5_K"}
     # gguf-py's dequantisation (llama.cpp's reference), but for the (tied) embedding's 39M weights, which takes it 10 s:
@@ -499,6 +500,7 @@ def test_a_file_written_straight_has_the_types_llama_quantize_gives(tmp_path):
     layers 0, 3, 6, 7 and 8). (The 8-expert case's Q8_0 / Q5_K attention was compared so once, on 16 layers, not here: a
     second conversion costs another 30 s.)"""
     from mini_infer.factory import make_model
+    from mini_infer.factory.gguf_writer import make_gguf
 
     overrides = dict(num_hidden_layers=9, num_experts=16, tie_word_embeddings=False)
     source = make_model("qwen3-moe-tiny", tmp_path / "hf", overrides=STRAIGHT | overrides)
@@ -508,7 +510,7 @@ def test_a_file_written_straight_has_the_types_llama_quantize_gives(tmp_path):
                    env={"PYTHONPATH": str(script.parents[3] / "converter-deps"), "PATH": "/usr/bin:/bin"})
     subprocess.run([str(_quantize_tool()), str(tmp_path / "bf16.gguf"), str(tmp_path / "theirs.gguf"), "Q4_K_M"],
                    check=True, capture_output=True)
-    ours = make_model("qwen3-moe-tiny", tmp_path / "ours.gguf", gguf="q4_k_m", overrides=STRAIGHT | overrides)
+    ours = make_gguf("qwen3-moe-tiny", tmp_path / "ours.gguf", "q4_k_m", overrides=STRAIGHT | overrides)
     theirs = {t.name: (t.tensor_type.name, list(t.shape)) for t in GGUFHeader(tmp_path / "theirs.gguf").tensors}
     assert {t.name: (t.tensor_type.name, list(t.shape)) for t in GGUFHeader(ours).tensors} == theirs
     assert {kind for kind, _ in theirs.values()} >= {"Q4_K", "Q6_K"}

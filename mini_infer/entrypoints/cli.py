@@ -105,9 +105,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _make_model(args) -> int:
     from mini_infer.factory import make_model
+    from mini_infer.factory.gguf_writer import make_gguf
 
-    path = make_model(args.preset, args.out, seed=args.seed, dtype=args.dtype, tokenizer_from=args.tokenizer_from,
-                      gguf=args.gguf)
+    if args.gguf is not None:
+        if args.tokenizer_from is not None:
+            raise ValueError("--gguf writes the Qwen tokenizer's vocabulary; --tokenizer-from does not apply")
+        path = make_gguf(args.preset, args.out, args.gguf, seed=args.seed)
+    else:
+        path = make_model(args.preset, args.out, seed=args.seed, dtype=args.dtype, tokenizer_from=args.tokenizer_from)
     kind = args.gguf.upper() if args.gguf else args.dtype
     print(f"wrote the {args.preset} preset with random weights (seed {args.seed}, {kind}) to {path}")
     return 0

@@ -425,7 +425,6 @@ def make_model(
     overrides: dict | None = None,
     tokenizer_from: str | os.PathLike | None = None,
     max_shard_bytes: int = MAX_SHARD_BYTES,
-    gguf: str | None = None,
 ) -> Path:
     """Write a random-weight checkpoint (config, generation config, weights, tokenizer) to out_dir.
 
@@ -433,8 +432,8 @@ def make_model(
     tokenizer_config.json) from the directory `tokenizer_from` (a machine without that package: one model written
     elsewhere lends its tokenizer). Files are written to a temp dir beside out_dir and renamed into place, so out_dir
     either does not exist or holds a complete model. Weights past `max_shard_bytes` are split into HF's shards with
-    an index (write_weights), sampled and written one shard at a time. With `gguf` (factory/gguf_writer.py
-    FILE_TYPES), out_dir is instead one GGUF file of that type, its weights written quantised straight.
+    an index (write_weights), sampled and written one shard at a time. (A GGUF file of a preset, written quantised
+    straight: factory/gguf_writer.py make_gguf.)
     """
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
@@ -445,15 +444,6 @@ def make_model(
     out_dir = Path(out_dir)
     _check_out_dir_free(out_dir)
     config = copy.deepcopy(PRESETS[preset]) | (overrides or {}) | {"torch_dtype": dtype}
-    if gguf is not None:
-        from mini_infer.factory.gguf_writer import write_gguf
-
-        if tokenizer_from is not None or layout != "published":
-            raise ValueError("a GGUF file is written with the Qwen tokenizer and llama.cpp's layout: no tokenizer_from "
-                             "or layout")
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        write_gguf(config, out_dir, gguf, seed)
-        return out_dir
     tokenizer_files = [Path(tokenizer_from) / name for name in TOKENIZER_FILES] if tokenizer_from else []
     missing = [str(path) for path in tokenizer_files if not path.is_file()]
     if missing:

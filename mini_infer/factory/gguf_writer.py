@@ -14,6 +14,7 @@ the file is a real file's, its outputs mean nothing.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -22,23 +23,18 @@ from pathlib import Path
 
 import numpy as np
 
-from mini_infer.factory.checkpoint import NORM_STD, tensor_shapes
+from mini_infer.factory.checkpoint import NORM_STD, PRESETS, tensor_shapes
 from mini_infer.factory.tokenizer import cached_tokenizer_json, tokenizer_config
+from mini_infer.gguf_file import BLOCK_BYTES, EXPERT_NAMES, GLOBAL_NAMES, GROUP, LAYER_NAMES, SUPER_BLOCK
 
 FILE_TYPES = {"q4_k_m": 15}  # llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_K_M
 # config.json's model_type -> general.architecture
 _ARCHITECTURES = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
-_BLOCK_WEIGHTS = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "Q8_0": 32}
-_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q8_0": 34}
-_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
-_LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-          "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-          "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
-          "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
-          "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
-_EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+_BLOCK_WEIGHTS = {"Q4_K": SUPER_BLOCK, "Q5_K": SUPER_BLOCK, "Q6_K": SUPER_BLOCK, "Q8_0": GROUP}
+# HF's names -> llama.cpp's (the GGUF loader's tables, inverted)
+_GLOBAL = {hf: name for name, hf in GLOBAL_NAMES.items()}
+_LAYER = {hf: name for name, hf in LAYER_NAMES.items()}
+_EXPERTS = {hf: name for name, hf in EXPERT_NAMES.items()}
 _ROUTER_STD = 0.02
 # llama.cpp's token types
 _NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5
@@ -109,7 +105,7 @@ def random_blocks(kind: str, weights: int, rng: np.random.Generator) -> np.ndarr
     high 2, 16 int8 scales, d; w = d sc (q - 32)): |sc| ~64, q - 32 spreads by 18.5. Q8_0 (d, 32 int8 q; w = d q): q
     spreads by 74."""
     blocks = weights // _BLOCK_WEIGHTS[kind]
-    data = np.frombuffer(bytearray(rng.bytes(blocks * _BLOCK_BYTES[kind])), np.uint8).reshape(blocks, -1)
+    data = np.frombuffer(bytearray(rng.bytes(blocks * BLOCK_BYTES[kind])), np.uint8).reshape(blocks, -1)
     scale = rng.uniform(0.5, 1.5, blocks)
     if kind in ("Q4_K", "Q5_K"):
         data[:, 0:2] = _halves((1.4e-4 if kind == "Q4_K" else 7e-5) * scale)
@@ -204,9 +200,9 @@ def write_gguf(config: dict, out: Path, file_type: str, seed: int) -> None:
             if kind == "F32":
                 writer.add_tensor_info(name, shape, np.dtype(np.float32), 4 * weights)
             else:
-                row_bytes = shape[-1] // _BLOCK_WEIGHTS[kind] * _BLOCK_BYTES[kind]
+                row_bytes = shape[-1] // _BLOCK_WEIGHTS[kind] * BLOCK_BYTES[kind]
                 writer.add_tensor_info(name, (*shape[:-1], row_bytes), np.dtype(np.uint8),
-                                       weights // _BLOCK_WEIGHTS[kind] * _BLOCK_BYTES[kind],
+                                       weights // _BLOCK_WEIGHTS[kind] * BLOCK_BYTES[kind],
                                        raw_dtype=gguf.GGMLQuantizationType[kind])
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -221,3 +217,17 @@ def write_gguf(config: dict, out: Path, file_type: str, seed: int) -> None:
     except BaseException:
         Path(staging).unlink(missing_ok=True)
         raise
+
+
+def make_gguf(preset: str, out: str | os.PathLike, file_type: str, *, seed: int = 0,
+              overrides: dict | None = None) -> Path:
+    """`make-model --gguf`: the preset (factory/checkpoint.py PRESETS, with `overrides`) as one random-weight GGUF
+    file of `file_type` at `out`."""
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    out = Path(out)
+    if out.exists():
+        raise ValueError(f"{out} already exists")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_gguf(copy.deepcopy(PRESETS[preset]) | (overrides or {}), out, file_type, seed)
+    return out

@@ -31,33 +31,23 @@ import torch
 from torch import nn
 
 from mini_infer.config import ModelConfig
-from mini_infer.gguf_file import GROUP, QUANTIZED_TYPES, GGUFHeader, Tensor
+from mini_infer.gguf_file import (BLOCK_BYTES, EXPERT_NAMES, GLOBAL_NAMES, GROUP, LAYER_NAMES, QUANTIZED_TYPES,
+                                 SUPER_BLOCK, GGUFHeader, Tensor)
 from mini_infer.kernels.quant import QuantizedTensor, StackedParts
 from mini_infer.model import prequantized, weight_map
 from mini_infer.model.qwen2 import Qwen2ForCausalLM
 
-_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-           "output.weight": "lm_head.weight"}
-_LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-          "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-          "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-          "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_gate_inp": "mlp.gate",
-          "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
-          "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
-_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}  # 3-D: [E, out, in]
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-_BLOCK_BYTES = {"Q8_0": 2 + GROUP, "Q4_0": 2 + GROUP // 2, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
-SUPER_BLOCK = 256  # the K-quants' weights per block (QK_K)
 
 
 def hf_name(name: str) -> str | None:
     """The HF checkpoint name of a GGUF tensor (None: a name we do not know)."""
-    if name in _GLOBAL:
-        return _GLOBAL[name]
+    if name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[name]
     match = _BLOCK.fullmatch(name)
-    if match is None or match[2] not in _LAYER:
+    if match is None or match[2] not in LAYER_NAMES:
         return None
-    return f"model.layers.{match[1]}.{_LAYER[match[2]]}.{match[3]}"
+    return f"model.layers.{match[1]}.{LAYER_NAMES[match[2]]}.{match[3]}"
 
 
 def named_tensors(header: GGUFHeader):
@@ -65,13 +55,13 @@ def named_tensors(header: GGUFHeader):
     one 2-D tensor per expert (its bytes a slice of the file's)."""
     for tensor in header.tensors:
         match = _BLOCK.fullmatch(tensor.name)
-        if match is None or match[2] not in _EXPERTS or len(tensor.shape) != 3:
+        if match is None or match[2] not in EXPERT_NAMES or len(tensor.shape) != 3:
             yield hf_name(tensor.name), tensor
             continue
         experts = int(tensor.shape[2])
         size = len(tensor.bytes) // experts
         for e in range(experts):
-            yield (f"model.layers.{match[1]}.mlp.experts.{e}.{_EXPERTS[match[2]]}.weight",
+            yield (f"model.layers.{match[1]}.mlp.experts.{e}.{EXPERT_NAMES[match[2]]}.weight",
                    Tensor(f"{tensor.name}[{e}]", tensor.tensor_type, tensor.shape[:2],
                           tensor.bytes[e * size:(e + 1) * size]))
 
@@ -82,7 +72,7 @@ def quantized(tensor) -> QuantizedTensor:
     kind = tensor.tensor_type.name
     in_features, out_features = (int(n) for n in tensor.shape)
     per_block = SUPER_BLOCK if kind in _K_QUANTS else GROUP
-    blocks = torch.from_numpy(np.array(tensor.data)).view(out_features, in_features // per_block, _BLOCK_BYTES[kind])
+    blocks = torch.from_numpy(np.array(tensor.data)).view(out_features, in_features // per_block, BLOCK_BYTES[kind])
     if kind in _K_QUANTS:
         return _K_QUANTS[kind](blocks, out_features, in_features)
     scales = _halves(blocks[:, :, :2]).float()
