@@ -19,6 +19,7 @@ from mini_infer.config import ModelConfig
 from mini_infer.engine.llm_engine import LLMEngine
 from mini_infer.kernels import quant
 from mini_infer.model.moe import SparseMoeBlock, swiglu_mlps
+from mini_infer.model.ops import TunedWeight
 
 # name -> (HF architecture, config)
 CONFIGS = {
@@ -115,8 +116,9 @@ def test_each_expert_runs_once_a_step_on_all_its_tokens(moe, monkeypatch, dtype,
         owner = {id(getattr(expert, name)): (id(block), index, name) for index, expert in enumerate(block.experts)
                  for name in ("gate_up_proj", "down_proj")}
 
-        def linear(x, weight, bias=None, owner=owner, inner=block.linear):
-            calls.append((owner[id(weight)], x.shape[0]))
+        def linear(x, weight, bias=None, owner=owner, inner=block.linear, router=block.gate):
+            if weight is not router:  # (the router scores every token through the same matmul)
+                calls.append((owner[id(weight)], x.shape[0]))
             return inner(x, weight, bias)
 
         def grouped(x, weights, offsets, owner=owner, inner=block.grouped_linear):
@@ -160,12 +162,14 @@ def test_quantised_experts_compute_their_dequantised_weights(moe, quantization):
     for ours, reference in zip(engine.runner.model.layers, float_model.layers):
         if not isinstance(ours.mlp, SparseMoeBlock):
             continue
-        assert isinstance(ours.mlp.gate, torch.nn.Parameter) and ours.mlp.gate.dtype == torch.float32
+        router = ours.mlp.gate  # a float matmul weight of the model's dtype, not quantised
+        packed = router.packed if isinstance(router, TunedWeight) else {"dense": router}
+        assert "quant" not in packed and {w.dtype for w in packed.values()} == {torch.float32}
         for expert in swiglu_mlps(reference.mlp):
             for name in ("gate_up_proj", "down_proj"):
                 weight = getattr(expert, name)
                 weight.data = quant.quantize(weight.data, quantization, torch.float32).dequantize()
-        x = torch.randn(40, ours.mlp.gate.shape[1], generator=torch.Generator().manual_seed(0))
+        x = torch.randn(40, reference.mlp.gate.shape[1], generator=torch.Generator().manual_seed(0))
         # the quantised kernels round x to int16 per group (tests/test_quant.py bounds that), twice in a row here
         torch.testing.assert_close(ours.mlp(x), reference.mlp(x), rtol=1e-3, atol=1e-3)
 

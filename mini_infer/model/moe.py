@@ -38,7 +38,10 @@ class SparseMoeBlock(nn.Module):
         factory = dict(dtype=dtype, device=device)
         self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
         self.linear, self.reduce, self.activation, self.grouped_linear = linear, reduce, activation, grouped_linear
-        self.gate = empty_parameter(moe.num_experts, hidden_size, **factory)  # the router, kept in the model's dtype
+        # The router, kept in the model's dtype (never quantised); a linear weight like the others otherwise (the
+        # engine's matmul: at one token on an AMX Xeon, torch's bf16 matmul of it took ~80 us more right after a
+        # quantised kernel than alone).
+        self.gate = empty_parameter(moe.num_experts, hidden_size, **factory)
         # Each expert a SwiGLU MLP (its weights: the engine's linear weights); the block reduces their partial sums.
         self.experts = nn.ModuleList(SwiGLUMLP(hidden_size, intermediate_size, linear, _identity, activation,
                                                **factory) for _ in range(moe.num_experts))
@@ -52,7 +55,7 @@ class SparseMoeBlock(nn.Module):
         """x [T, hidden] -> (each token's top_k experts [T, k], their weights [T, k] in x's dtype): the router's
         softmax in float32 whatever the model's dtype, renormalised over the top_k where the config says so, as
         the reference computes it."""
-        probs = F.linear(x, self.gate).softmax(dim=-1, dtype=torch.float32)
+        probs = self.linear(x, self.gate).softmax(dim=-1, dtype=torch.float32)
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -69,12 +72,14 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with profiled("moe_routing"):
             experts, weights = self.route(x)
-            # (token, expert) pairs grouped by expert, in token order within each group.
-            order = experts.flatten().argsort(stable=True)
+            # (token, expert) pairs grouped by expert, in token order within each group; the experts hit and their
+            # counts in one host read a layer.
+            flat = experts.flatten()
+            order = flat.argsort(stable=True)
             tokens = order // self.top_k
-            counts = torch.bincount(experts.flatten(), minlength=len(self.experts)).tolist()  # one host read a layer
-            hit = [self.experts[e] for e, count in enumerate(counts) if count]
-            offsets = [0, *accumulate(filter(None, counts))]
+            ids, counts = torch.stack(torch.unique_consecutive(flat[order], return_counts=True)).tolist()
+            hit = [self.experts[e] for e in ids]
+            offsets = [0, *accumulate(counts)]
         with profiled("experts"):
             # Each expert with tokens once, on all of its rows, in expert index order; every token's outputs summed
             # in that order (transformers' index_add_ order).

@@ -245,8 +245,8 @@ class Ops:
 
     def _method(self, name: str) -> str | None:
         """How the engine quantises the float weight `name` at load: None (it stays float) or a method."""
-        if self.quantization not in QUANTIZATION_METHODS:
-            return None  # no quantization, or a pre-quantised checkpoint's (its float weights stay so)
+        if self.quantization not in QUANTIZATION_METHODS or name == ROUTER:
+            return None  # no quantization, or a pre-quantised checkpoint's (its float weights stay so), or a router
         if name == "lm_head" and self.native:
             return quant.HEAD_METHOD[self.quantization]
         return self.quantization
@@ -359,6 +359,9 @@ def select_ops(mode: str, dtype: torch.dtype, device: str | torch.device, quanti
     return Ops(True, f"native CPU kernels ({weights}paged decode attention; per weight shape and batch size, the "
                      f"fastest of {candidates}{torch_named}, timed once: {tuner.path.parent}){lacking}", tuner,
                quantization=quantization, quant_timer=quant_timer, dtype=dtype, optional=optional)
+
+
+ROUTER = "gate"  # a mixture's router (model/moe.py SparseMoeBlock.gate): kept in the model's dtype
 
 
 def _prepared(weight) -> bool:

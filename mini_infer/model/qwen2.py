@@ -107,10 +107,13 @@ class Qwen2ForCausalLM(nn.Module):
         self._stacks: dict[tuple, DecoderStack] = {}  # per set of matmul choices, built on first use
 
     def linear_weights(self) -> list[tuple[nn.Module, str]]:
-        """(module, attribute) of every matmul weight: the projections of each layer and the LM head."""
+        """(module, attribute) of every matmul weight: the projections of each layer (a mixture's router among them,
+        which Ops never quantises) and the LM head."""
         pairs: list[tuple[nn.Module, str]] = []
         for layer in self.layers:
             pairs += [(layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj")]
+            if isinstance(layer.mlp, SparseMoeBlock):
+                pairs.append((layer.mlp, "gate"))
             pairs += [(mlp, name) for mlp in swiglu_mlps(layer.mlp) for name in ("gate_up_proj", "down_proj")]
         return pairs + ([(self, "lm_head")] if self.lm_head is not None else [])
 
