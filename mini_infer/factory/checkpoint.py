@@ -326,11 +326,14 @@ def parameter_count(config: dict) -> int:
     return sum(math.prod(shape) for shape in tensor_shapes(config).values())
 
 
+def tensor_seed(seed: int, name: str) -> int:
+    """The seed of one tensor's random stream: values do not depend on generation order, so tensors can be sampled
+    in parallel, and a shape override leaves every other tensor unchanged (the GGUF writer's streams too)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little")
+
+
 def _tensor_generator(seed: int, name: str) -> torch.Generator:
-    # One stream per tensor: values do not depend on generation order, so tensors can be
-    # sampled in parallel, and a shape override leaves every other tensor unchanged.
-    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+    return torch.Generator().manual_seed(tensor_seed(seed, name))
 
 
 def _init_mean_std(name: str, config: dict) -> tuple[float, float]:

@@ -15,7 +15,6 @@ the file is a real file's, its outputs mean nothing.
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
 import tempfile
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mini_infer.factory.checkpoint import NORM_STD, PRESETS, tensor_shapes
+from mini_infer.factory.checkpoint import NORM_STD, PRESETS, tensor_seed, tensor_shapes
 from mini_infer.factory.tokenizer import cached_tokenizer_json, tokenizer_config
 from mini_infer.gguf_file import BLOCK_BYTES, EXPERT_NAMES, GLOBAL_NAMES, GROUP, LAYER_NAMES, SUPER_BLOCK
 
@@ -85,11 +84,6 @@ def gguf_tensors(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
             raise ValueError(f"{name}: {kind} needs rows of a multiple of {_BLOCK_WEIGHTS[kind]} weights, the "
                              f"preset's are {shape[-1]}")
     return tensors
-
-
-def _rng(seed: int, name: str) -> np.random.Generator:
-    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
-    return np.random.default_rng(int.from_bytes(digest[:8], "little"))
 
 
 def _halves(values: np.ndarray) -> np.ndarray:
@@ -208,7 +202,7 @@ def write_gguf(config: dict, out: Path, file_type: str, seed: int) -> None:
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for name, shape, kind in tensors:
-            rng = _rng(seed, name)
+            rng = np.random.default_rng(tensor_seed(seed, name))
             writer.write_tensor_data(_float_tensor(name, shape, rng) if kind == "F32" else
                                      random_blocks(kind, int(np.prod(shape)), rng))
         writer.close()

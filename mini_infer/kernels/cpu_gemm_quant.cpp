@@ -14,9 +14,10 @@
 // d [Kp / (G S), 16] float16, dmin likewise, sc [Kp / G, 16] int8, m likewise --, padded to a
 // multiple of 64 bytes, then its q in steps of 64 bytes: 4 bytes per column of 4 k (int8: bytes k, k + 2, k + 1,
 // k + 3) or 8 k (int4: nibble d / 2 holds k + d for even d, 4 + d / 2 for odd d), so that in-lane shifts give int16
-// (k, k + 1) pairs; int6 steps of 96 bytes, q + 32's low nibbles as int4's and then its high bits (int6_pairs). Kp: K rounded up to a multiple of G, or of G S (the weights past K are zero). A tile of NP panels
-// reads NP streams (blocks of 8 panels whose steps alternated, one stream per tile, streamed 15-20 % slower at one row on a
-// Zen 4 EPYC). The scales inside the panel's run, not in an array of their own: read from there, one row's matmuls
+// (k, k + 1) pairs; int6 steps of 96 bytes, q + 32's low nibbles as int4's and then its high bits (int6_pairs). Kp:
+// K rounded up to a multiple of G, or of G S (the weights past K are zero). A tile of NP panels reads NP streams
+// (blocks of 8 panels whose steps alternated, one stream per tile, streamed 15-20 % slower at one row on a Zen 4
+// EPYC). The scales inside the panel's run, not in an array of their own: read from there, one row's matmuls
 // over a 0.5B model's int8 weights streamed at 0.77-0.85 of the bf16 kernel's rate on a Zen 4, at 0.89-0.97 without
 // reading scales at all (a separate stream every tile read a line of per 2 groups; the weight prefetch now covers
 // them).

@@ -154,8 +154,8 @@ def quantize(weight: torch.Tensor, method: str | Scheme, scale_dtype: torch.dtyp
     scheme = method if isinstance(method, Scheme) else method_scheme(method, scale_dtype)
     scale_dtype = scheme.scale_dtype
     if scheme.super_groups:
-        mins_rule = scheme.zeros if scheme.bits == 4 else not scheme.zeros if scheme.bits == 6 else True
-        if scheme.scale_dtype != torch.float16 or scheme.bits not in (4, 6, 8) or not mins_rule:
+        mins_allowed = {4: scheme.zeros, 6: not scheme.zeros, 8: True}  # int4 needs mins, int6 takes none
+        if scheme.scale_dtype != torch.float16 or not mins_allowed.get(scheme.bits, False):
             raise ValueError(f"quantize: no two-level scheme {scheme.name} with {scheme.scale_dtype} scales")
     elif scheme.bits not in (4, 8) or (scheme.bits == 8 and scheme.zeros):
         raise ValueError(f"quantize: no int{scheme.bits} scheme{' with zero points' if scheme.zeros else ''}")

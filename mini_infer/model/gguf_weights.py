@@ -172,7 +172,6 @@ def load_gguf_weights(model: Qwen2ForCausalLM, config: ModelConfig, file: Path,
     shapes = weight_map.expected_shapes(float_config, model.has_lm_head)
     targets = weight_map.targets(model, float_config, shard)
     linears = weight_map.quantized_linears(model, config, shard)
-    parts_of = {name for _, _, parts in linears for name, _, _ in parts}
     permuted = {}
     if config.architecture == "LlamaForCausalLM":
         permuted = {f"model.layers.{i}.self_attn.{p}_proj.weight": heads for i in range(config.num_hidden_layers)
@@ -210,12 +209,12 @@ def load_gguf_weights(model: Qwen2ForCausalLM, config: ModelConfig, file: Path,
         loaded.add(name)
         is_quantized = tensor.tensor_type.name in QUANTIZED_TYPES
         lm_head = name == "lm_head.weight" or (name == "model.embed_tokens.weight" and config.tie_word_embeddings)
-        if is_quantized and (name[:-len(".weight")] in parts_of or (lm_head and model.has_lm_head)):
+        if is_quantized and (name[:-len(".weight")] in linear_of or (lm_head and model.has_lm_head)):
             value = quantized(tensor)
             if name in permuted:
                 value = _unpermuted(value, permuted[name])
             projection = name[:-len(".weight")]
-            if projection in parts_of:
+            if projection in linear_of:
                 held[projection] = value
                 module, attr, parts = linear_of[projection]
                 if all(part in held for part, _, _ in parts):
