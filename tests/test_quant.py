@@ -31,6 +31,11 @@ def skip_unless_runs(path: str) -> None:
         pytest.skip(f"the {path} quantised matmul does not run here: {why}")
 
 
+def dtypes(path: str) -> tuple[torch.dtype, ...]:
+    """The activation dtypes that `path` multiplies (the AMX build: bfloat16 only)."""
+    return (torch.bfloat16,) if path in quant.BF16_ONLY else (torch.float32, torch.bfloat16)
+
+
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cols,inner", [(5, 32), (33, 70), (64, 128)])
@@ -137,7 +142,7 @@ def quantized(weight: torch.Tensor, scheme: str, dtype: torch.dtype) -> quant.Qu
 def test_kernel_matches_float64_matmul_by_the_dequantised_weights(path, method, rows, cols, inner):
     skip_unless_runs(path)
     gen = torch.Generator().manual_seed(rows * 1000 + cols * 10 + inner)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in dtypes(path):
         x = torch.randn(rows, inner, generator=gen).to(dtype)
         x[0, : min(inner, 5)] *= 40  # a row whose groups span very different magnitudes
         qt = quantized(torch.randn(cols, inner, generator=gen), method, dtype)
@@ -156,11 +161,12 @@ def test_kernel_rows_are_independent_of_the_batch(path):
     lets a quantised engine batch without changing a request's tokens."""
     skip_unless_runs(path)
     gen = torch.Generator().manual_seed(3)
+    dtype = dtypes(path)[0]
     for method in KERNEL_SCHEMES:
-        packed = quant.pack_panels(quantized(torch.randn(70, 100, generator=gen), method, torch.float32))
-        x = torch.randn(11, 100, generator=gen)
+        packed = quant.pack_panels(quantized(torch.randn(70, 100, generator=gen), method, dtype))
+        x = torch.randn(37, 100, generator=gen).to(dtype)
         together = quant.quant_linear(x, packed, None, path)
-        for rows in (slice(0, 1), slice(3, 5), slice(2, 9)):
+        for rows in (slice(0, 1), slice(3, 5), slice(2, 9), slice(4, 37)):
             assert torch.equal(quant.quant_linear(x[rows], packed, None, path), together[rows])
 
 
@@ -172,7 +178,7 @@ def test_grouped_kernel_gives_each_weights_rows_as_its_own_call(path, method):
     the threads), in float32 and bfloat16."""
     skip_unless_runs(path)
     gen = torch.Generator().manual_seed(11)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in dtypes(path):
         weights = [quant.pack_panels(quantized(torch.randn(70, 100, generator=gen), method, dtype)) for _ in range(5)]
         offsets = [0, 1, 4, 4, 13, 15]  # rows 1, 3, 0, 9, 2
         x = torch.randn(offsets[-1], 100, generator=gen).to(dtype)
@@ -180,6 +186,18 @@ def test_grouped_kernel_gives_each_weights_rows_as_its_own_call(path, method):
         for weight, a, b in zip(weights, offsets, offsets[1:]):
             if b > a:
                 assert torch.equal(out[a:b], quant.quant_linear(x[a:b], weight, None, path))
+
+
+def test_amx_path_refuses_float32_activations():
+    """The AMX build multiplies x as it is, in bf16 tiles: a float32 x is refused (never rounded), and the path is
+    no candidate for a float32 model."""
+    assert "bfloat16 activations only" in quant.quant_paths(torch.float32)["amx_bf16"]
+    skip_unless_runs("amx_bf16")
+    packed = quant.pack_panels(quant.quantize(torch.randn(16, 64), "int4", torch.float32))
+    with pytest.raises(ValueError, match="bfloat16 activations only, not torch.float32"):
+        quant.quant_linear(torch.randn(2, 64), packed, None, "amx_bf16")
+    with pytest.raises(ValueError, match="bfloat16 activations only, not torch.float32"):
+        quant.quant_linear_grouped(torch.randn(2, 64), [packed], [0, 2], "amx_bf16")
 
 
 def test_grouped_kernel_refuses_weights_unlike_the_first():

@@ -55,7 +55,7 @@ def run_matmul(options: BenchOptions, model_dir: str, log: Callable[[str], None]
     for method in options.quantization or ():
         packed = [(kind, quant.pack_panels(quant.quantize(w, quant.HEAD_METHOD[method] if kind == "head" else method,
                                                           quant.scale_dtype(dtype)))) for kind, w in dense]
-        for path, why in quant.quant_paths().items():
+        for path, why in quant.quant_paths(dtype).items():
             if why is None:
                 systems[f"{method} {path}"] = (quant.quant_linear, path, packed)
     del dense

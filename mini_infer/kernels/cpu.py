@@ -101,19 +101,24 @@ _KERNELS = {
     "shm_allreduce": _Kernel("shm_allreduce.cpp", "shm_allreduce", [_P, _I, _I, _L, ctypes.c_int64, _P, _I, _L], _L,
                              _AVX2, ("avx2", "fma")),
 }
-# kernels/quant.py: weights quantised to int8 or int4, products of int16 x and the integers in registers; three builds
-# of one source (AVX2, AVX-512BW, AVX512_VNNI), each with the matmul and the grouped matmul (several weights, each on
-# its rows of x, in one call).
+# kernels/quant.py: weights quantised to int8, int6 or int4, products of int16 x and the integers in registers; four
+# builds of one source (AVX2, AVX-512BW, AVX512_VNNI, and AMX: bf16 x and the integers as bf16 in tiles), each with
+# the matmul and the grouped matmul (several weights, each on its rows of x, in one call).
+_VNNI_NEEDS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 _QUANT_BUILDS = {
-    "": ([*_AVX2, "-mf16c", "-DQUANT_AVX512=0"], ("avx2", "fma", "f16c")),  # F16C: two-level scales' float16
-    "_avx512": ([*_AVX512, "-DQUANT_AVX512=1", "-DQUANT_VNNI=0"], ("avx2", "fma", "avx512f", "avx512bw", "avx512vl")),
-    "_vnni": ([*_AVX512, "-mavx512vnni", "-DQUANT_AVX512=1", "-DQUANT_VNNI=1"],
-              ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni")),
+    "": ([*_AVX2, "-mf16c", "-DQUANT_AVX512=0"], ("avx2", "fma", "f16c"), None),  # F16C: two-level scales' float16
+    "_avx512": ([*_AVX512, "-DQUANT_AVX512=1", "-DQUANT_VNNI=0"], ("avx2", "fma", "avx512f", "avx512bw", "avx512vl"),
+                None),
+    "_vnni": ([*_AVX512, "-mavx512vnni", "-DQUANT_AVX512=1", "-DQUANT_VNNI=1"], _VNNI_NEEDS, None),
+    # bfloat16 x only: the weights' integers widened to bf16 and multiplied by AMX tiles (TDPBF16PS).
+    "_amx": ([*_AVX512, "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-DQUANT_AVX512=1",
+              "-DQUANT_VNNI=1", "-DQUANT_AMX=1"], (*_VNNI_NEEDS, "avx512_bf16", "amx_tile", "amx_bf16"), "amx_enable"),
 }
-for _suffix, (_flags, _needs) in _QUANT_BUILDS.items():
-    _KERNELS[f"gemm_quant{_suffix}"] = _Kernel("cpu_gemm_quant.cpp", "gemm_quant", _QUANT_ARGS, _I, _flags, _needs)
+for _suffix, (_flags, _needs, _enable) in _QUANT_BUILDS.items():
+    _KERNELS[f"gemm_quant{_suffix}"] = _Kernel("cpu_gemm_quant.cpp", "gemm_quant", _QUANT_ARGS, _I, _flags, _needs,
+                                               _enable)
     _KERNELS[f"gemm_quant_grouped{_suffix}"] = _Kernel("cpu_gemm_quant.cpp", "gemm_quant_grouped", _GROUPED_ARGS, _I,
-                                                       _flags, _needs)
+                                                       _flags, _needs, _enable)
 # The kernels that must build for cpu_kernels to run natively; the AVX-512 matmuls are extra paths where the CPU
 # has them (MATMUL_PATHS), and the OPTIONAL ones each take over one job where they build (torch's, or the per-op path,
 # does it where they do not; Ops' note says which are missing).
@@ -156,7 +161,7 @@ def weight_layout(path: str, dtype: torch.dtype) -> str:
     return MATMUL_PATHS[path].kernels[dtype][0]
 
 
-_HEADERS = ("bf16.h", "exp8.h", "avx512.h")  # what the sources include (part of each build's cache key)
+_HEADERS = ("bf16.h", "exp8.h", "avx512.h", "amx.h")  # what the sources include (part of each build's cache key)
 # Per kernel name: its function, or why it cannot run (the message only: a stored exception would keep the frames of
 # its traceback alive, and with them whatever they held, a whole engine's weights and KV cache among them).
 _outcomes: dict[str, Callable | str] = {}

@@ -11,21 +11,23 @@
 // other tiles (2 x 2 or 1 x 3). Rows past M read zeros (x is copied, zero-padded, once per call); k pairs past the
 // last full tile of 16 (K not a multiple of 32) are added with `vdpbf16ps` after the tiles. Threads split the
 // panels evenly. Each thread loads the tile configuration (8 tiles of 16 x 64 bytes) on entry and releases it.
-#include <errno.h>
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
-#include <utility>
 #include <vector>
 
+#include "amx.h"
 #include "avx512.h"
 
 namespace {
 
+using amx::tile_dp;
+using amx::tile_load;
+using amx::tile_store;
+using amx::tile_zero;
+using amx::unroll;
 using gemm512::BF16;
 
 constexpr int PANEL = 16;       // output columns per panel
@@ -33,38 +35,8 @@ constexpr int TILE_PAIRS = 16;  // k pairs per tile (32 k)
 constexpr int TILE_ROWS = 16;
 constexpr int64_t TILE_BYTES = 1024;
 
-// The tile instructions by register number (GCC's intrinsics paste the number into the asm text, so they take
-// literals only; a template argument goes through an "i" operand instead).
-template <int T>
-inline void tile_zero() { asm volatile("tilezero %%tmm%c0" ::"i"(T)); }
-template <int T>
-inline void tile_load(const void* base, int64_t stride) {
-    asm volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(base), "r"(stride), "i"(T) : "memory");
-}
-template <int T>
-inline void tile_store(void* base, int64_t stride) {
-    asm volatile("tilestored %%tmm%c2, (%0,%1,1)" ::"r"(base), "r"(stride), "i"(T) : "memory");
-}
-template <int C, int A, int B>  // C += A (x rows) . B (w pairs)
-inline void tile_dp() { asm volatile("tdpbf16ps %%tmm%c0, %%tmm%c1, %%tmm%c2" ::"i"(B), "i"(A), "i"(C)); }
-
-template <typename F, int... I>
-inline void unroll_seq(F&& f, std::integer_sequence<int, I...>) { (f(std::integral_constant<int, I>{}), ...); }
-template <int N, typename F>
-inline void unroll(F&& f) { unroll_seq(f, std::make_integer_sequence<int, N>{}); }
-
-struct alignas(64) TileConfig {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
 void configure_tiles() {
-    TileConfig config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = TILE_ROWS;
-    _tile_loadconfig(&config);
+    amx::configure({16, 16, 16, 16, 16, 16, 16, 16}, {64, 64, 64, 64, 64, 64, 64, 64});
 }
 
 struct Problem {
@@ -149,12 +121,8 @@ void run_groups(const Problem& p, const uint16_t* w, int threads) {
 
 }  // namespace
 
-// The process's permission to use the AMX tile data (Linux grants it on request, once): 0 when granted, else the
-// errno of the refusal.
-extern "C" int amx_enable() {
-    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : errno;
-}
+// The process's permission to use the AMX tile data (amx.h): 0 when granted, else the errno of the refusal.
+extern "C" int amx_enable() { return amx::request_tile_data(); }
 
 // x bfloat16 [M, K], copied zero-padded where M is not a multiple of 16 or K is odd; w packed pairs (K rounded up
 // to even: an odd K's last pair reads a zero x beside it). No software prefetch: 4-32 tiles ahead into L1 or L2

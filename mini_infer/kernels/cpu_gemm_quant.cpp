@@ -38,6 +38,12 @@
 #include <vector>
 
 #include "bf16.h"
+#ifndef QUANT_AMX
+#define QUANT_AMX 0
+#endif
+#if QUANT_AMX
+#include "amx.h"
+#endif
 
 namespace {
 
@@ -285,6 +291,49 @@ inline void store_columns(const Problem& p, int m, int n0, const VF* acc) {
     store_columns_f32(p.out, p.out_dtype, p.N, p.bias, m, n0, values);
 }
 
+// A panel's bytes per step: 4 k (int8), 8 k (int4; int6: 64 bytes of low nibbles and 32 of high bits) of 16 columns.
+constexpr int64_t step_bytes(int bits) { return bits == INT6 ? 96 : 64; }
+constexpr int step_k(int bits) { return bits == INT8 ? 4 : 8; }
+// A step's q as int16 (k, k + 1) pairs, step_k / 2 of them (times L vectors).
+template <int BITS>
+inline void step_pairs(const uint8_t* step, VI* w) {
+    if constexpr (BITS == INT8) int8_pairs(step, w);
+    else if constexpr (BITS == INT6) int6_pairs(step, w);
+    else int4_pairs(step, w);
+}
+
+// Group g's scale s of the panel's 16 columns (one level: its scales; two: d sc) and, where x's group sums enter
+// (int4, or mins), the offset they are multiplied by (int4: zero - 8 s, or -8 s; two-level: -dmin m).
+template <int BITS>
+inline void group_scales(const Problem& p, const uint8_t* panel, int g, VF* s, VF* offset) {
+    if (p.S > 0) {
+        const int64_t super = static_cast<int64_t>(g / p.S) * PANEL * 2, sub = static_cast<int64_t>(g) * PANEL;
+        VF d[L];
+        half_columns(panel + p.layout.supers + super, d);
+        byte_columns(panel + p.layout.scales + sub, s);
+#pragma GCC unroll 2
+        for (int h = 0; h < L; ++h) s[h] = fmul(s[h], d[h]);
+        if (p.xsum != nullptr) {
+            VF dmin[L], m[L];
+            half_columns(panel + p.layout.super_mins + super, dmin);
+            byte_columns(panel + p.layout.zeros + sub, m);
+#pragma GCC unroll 2
+            for (int h = 0; h < L; ++h) offset[h] = fmul(fset1(-1.0f), fmul(dmin[h], m[h]));
+        }
+    } else {
+        const int64_t at = static_cast<int64_t>(g) * PANEL * (p.scale_dtype == BF16 ? 2 : 4);
+        scale_columns(panel + p.layout.scales + at, p.scale_dtype, s);
+        if constexpr (BITS == INT4) {
+            // the sums hold x . q with q in 0..15: w = (q - 8) s + z adds (z - 8 s) times x's group sum.
+            const bool zeros = p.layout.zeros >= 0;
+            VF z[L];
+            if (zeros) scale_columns(panel + p.layout.zeros + at, p.scale_dtype, z);
+#pragma GCC unroll 2
+            for (int h = 0; h < L; ++h) offset[h] = ffma(fset1(-8.0f), s[h], zeros ? z[h] : fzero());
+        }
+    }
+}
+
 // Every register of a tile's MR x NP x L accumulators set to `value`.
 template <typename V, int MR, int NP>
 inline void fill(V (&registers)[MR][NP][L], V value) {
@@ -302,13 +351,11 @@ inline void tile(const Problem& p, int m0, int panel0, const uint8_t* limit) {
     VF acc[MR][NP][L];
     fill(acc, fzero());
     const int groups = p.Kp / p.G;
-    // a panel's bytes per step: 4 k (int8), 8 k (int4; int6: 64 bytes of low nibbles and 32 of high bits) of 16 columns
-    constexpr int64_t STEP_BYTES = BITS == INT6 ? 96 : 64;
-    constexpr int STEP_K = BITS == INT8 ? 4 : 8, PAIRS = STEP_K / 2;
+    constexpr int64_t STEP_BYTES = step_bytes(BITS);
+    constexpr int STEP_K = step_k(BITS), PAIRS = STEP_K / 2;
     const uint8_t* base[NP];
 #pragma GCC unroll 8
     for (int j = 0; j < NP; ++j) base[j] = p.panels + (panel0 + j) * p.layout.bytes + p.layout.q;
-    const int scale_size = p.scale_dtype == BF16 ? 2 : 4;
     const bool sums = p.xsum != nullptr;  // an offset times x's group sum: int4, or two-level with mins
     const int16_t* x = p.x + static_cast<int64_t>(m0) * p.Kp;
     for (int g = 0; g < groups; ++g) {
@@ -329,9 +376,7 @@ inline void tile(const Problem& p, int m0, int panel0, const uint8_t* limit) {
                 prefetch<PF, NP>(base[j] + at, p.layout.q + at, p.layout.bytes, limit);
                 if constexpr (BITS == INT6)  // 1.5 lines a step: the next line's prefetch too
                     prefetch<PF, NP>(base[j] + at + 64, p.layout.q + at + 64, p.layout.bytes, limit);
-                if constexpr (BITS == INT8) int8_pairs(base[j] + at, w);
-                else if constexpr (BITS == INT6) int6_pairs(base[j] + at, w);
-                else int4_pairs(base[j] + at, w);
+                step_pairs<BITS>(base[j] + at, w);
 #pragma GCC unroll 8
                 for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
@@ -342,35 +387,8 @@ inline void tile(const Problem& p, int m0, int panel0, const uint8_t* limit) {
         }
 #pragma GCC unroll 8
         for (int j = 0; j < NP; ++j) {
-            const uint8_t* panel = p.panels + (panel0 + j) * p.layout.bytes;
             VF s[L], offset[L];
-            if (p.S > 0) {
-                // s = d sc; with mins, w = q s - dmin m adds -dmin m times x's group sum.
-                const int64_t super = static_cast<int64_t>(g / p.S) * PANEL * 2, sub = static_cast<int64_t>(g) * PANEL;
-                VF d[L];
-                half_columns(panel + p.layout.supers + super, d);
-                byte_columns(panel + p.layout.scales + sub, s);
-#pragma GCC unroll 2
-                for (int h = 0; h < L; ++h) s[h] = fmul(s[h], d[h]);
-                if (sums) {
-                    VF dmin[L], m[L];
-                    half_columns(panel + p.layout.super_mins + super, dmin);
-                    byte_columns(panel + p.layout.zeros + sub, m);
-#pragma GCC unroll 2
-                    for (int h = 0; h < L; ++h) offset[h] = fmul(fset1(-1.0f), fmul(dmin[h], m[h]));
-                }
-            } else {
-                const int64_t at = static_cast<int64_t>(g) * PANEL * scale_size;
-                scale_columns(panel + p.layout.scales + at, p.scale_dtype, s);
-                if constexpr (BITS == INT4) {
-                    // sum holds x . q with q in 0..15: w = (q - 8) s + z adds (z - 8 s) times x's group sum.
-                    const bool zeros = p.layout.zeros >= 0;
-                    VF z[L];
-                    if (zeros) scale_columns(panel + p.layout.zeros + at, p.scale_dtype, z);
-#pragma GCC unroll 2
-                    for (int h = 0; h < L; ++h) offset[h] = ffma(fset1(-8.0f), s[h], zeros ? z[h] : fzero());
-                }
-            }
+            group_scales<BITS>(p, p.panels + (panel0 + j) * p.layout.bytes, g, s, offset);
 #pragma GCC unroll 8
             for (int i = 0; i < MR; ++i) {
                 const int64_t row_group = static_cast<int64_t>(m0 + i) * groups + g;
@@ -518,6 +536,205 @@ RoundedRows round_rows(const void* x, int x_dtype, const int32_t* perm, bool sum
     return r;
 }
 
+#if QUANT_AMX
+// The AMX build (QUANT_AMX = 1, over AVX512_VNNI's): bfloat16 x only, taken as it is, since a bf16 x times a q is
+// exact in float32. Each panel's q are widened once a call to bf16 pairs ([Kp / 2, 16, 2], the layout of
+// cpu_gemm_amx.cpp's weights), then TDPBF16PS multiplies 16 rows of x by a chunk of C k of that (C = 32, or 16 or 8
+// where G is not a multiple of 32), a group's chunks into one tile of float32 sums, which is stored and added to the
+// row's accumulator times the group's scale (plus x's group sum times its offset), as tile() adds its integer sums.
+// Tiles: 0-3 the sums of 4 consecutive groups, stored together; 4-5 x and 6-7 w, alternating between the groups.
+namespace amx_path {
+
+using amx::tile_dp;
+using amx::tile_load;
+using amx::tile_store;
+using amx::tile_zero;
+using amx::unroll;
+
+constexpr int ROWS = 16, BATCH = 4;
+
+// k per TDPBF16PS: a chunk of at most 32 that divides the group.
+inline int chunk_k(int G) { return G % 32 == 0 ? 32 : (G % 16 == 0 ? 16 : 8); }
+
+void configure_tiles(int C) {
+    amx::configure({ROWS, ROWS, ROWS, ROWS, ROWS, ROWS, static_cast<uint8_t>(C / 2), static_cast<uint8_t>(C / 2)},
+                   {64, 64, 64, 64, static_cast<uint16_t>(2 * C), static_cast<uint16_t>(2 * C), 64, 64});
+}
+
+// bf16 of the integers -32 .. 31 (int6's q) and 0 .. 31 (int4's), the tables of the widening below.
+struct Tables {
+    __m512i negative, positive;
+    Tables() {
+        alignas(64) uint16_t low[32], high[32];
+        for (int i = 0; i < 32; ++i) low[i] = f32_to_bf16(i - 32.0f), high[i] = f32_to_bf16(static_cast<float>(i));
+        negative = _mm512_load_si512(low), positive = _mm512_load_si512(high);
+    }
+};
+
+// 32 int16 q (step_pairs' lanes) as bf16: int4's and int6's looked up in the tables, int8's through float32.
+template <int BITS>
+inline __m512i widened(__m512i q, const Tables& t) {
+    if constexpr (BITS == INT4) {
+        return _mm512_permutexvar_epi16(q, t.positive);
+    } else if constexpr (BITS == INT6) {
+        return _mm512_permutex2var_epi16(t.negative, _mm512_add_epi16(q, _mm512_set1_epi16(32)), t.positive);
+    } else {
+        const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(q)));
+        const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(q, 1)));
+        return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));
+    }
+}
+
+// A panel's q (`q`: its steps) as bf16 pairs: 32 values (16 columns x a k pair) a 64-byte row, Kp / 2 rows.
+template <int BITS>
+void widen_panel(const uint8_t* q, int Kp, const Tables& t, uint16_t* pairs) {
+    constexpr int STEP_K = step_k(BITS), PAIRS = STEP_K / 2;
+    for (int k = 0; k < Kp; k += STEP_K) {
+        VI w[PAIRS];
+        step_pairs<BITS>(q + static_cast<int64_t>(k / STEP_K) * step_bytes(BITS), w);
+#pragma GCC unroll 4
+        for (int i = 0; i < PAIRS; ++i) _mm512_storeu_si512(pairs + (k / 2 + i) * 32, widened<BITS>(w[i], t));
+    }
+}
+
+// Rows m0 .. m0 + R of x (`xb`: bf16_rows' tiles; R <= 16, the tiles multiply 16) against the panel at
+// `panel` (widened into `pairs`), out written for the rows below p.M; `sums`: 2 x 4 x 256 floats of scratch. A batch's
+// products are issued and stored before the previous batch's sums are scaled, so that the vector work overlaps the
+// tiles'.
+template <int BITS, int R>
+void rows(const Problem& p, const uint16_t* xb, const uint8_t* panel, const uint16_t* pairs, int n0, int m0,
+          float* sums) {
+    VF acc[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) acc[r] = fzero();
+    const int groups = p.Kp / p.G, C = chunk_k(p.G), chunks = p.G / C;
+    const uint16_t* x = xb + static_cast<int64_t>(m0) * p.Kp;  // its row block: [Kp / C][16][C]
+    const auto issue = [&](int g0, float* to) {
+        unroll<BATCH>([&](auto b) {
+            constexpr int B = decltype(b)::value, A = 4 + B % 2, W = 6 + B % 2;
+            if (g0 + B >= groups) return;
+            tile_zero<B>();
+            for (int c = 0; c < chunks; ++c) {
+                const int k = (g0 + B) * p.G + c * C;
+                tile_load<A>(x + static_cast<int64_t>(k) * ROWS, 2 * C);
+                tile_load<W>(pairs + k / 2 * 32, 64);
+                tile_dp<B, A, W>();
+            }
+            tile_store<B>(to + B * 256, 64);
+        });
+    };
+    issue(0, sums);
+    for (int g0 = 0, turn = 0; g0 < groups; g0 += BATCH, turn ^= 1) {
+        if (g0 + BATCH < groups) issue(g0 + BATCH, sums + (turn ^ 1) * BATCH * 256);
+        const float* from = sums + turn * BATCH * 256;
+        for (int b = 0; b < BATCH && g0 + b < groups; ++b) {
+            const int g = g0 + b;
+            VF s[L], offset[L];
+            group_scales<BITS>(p, panel, g, s, offset);
+#pragma GCC unroll 16
+            for (int r = 0; r < R; ++r) {
+                acc[r] = ffma(vload_f(from + b * 256 + r * 16), s[0], acc[r]);
+                if (p.xsum) acc[r] = ffma(fset1(p.xsum[static_cast<int64_t>(m0 + r) * groups + g]), offset[0], acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R && m0 + r < p.M; ++r) store_columns(p, m0 + r, n0, &acc[r]);
+}
+
+// Panels [begin, end) of p, every row (the tiles configured by the caller): blocks of 16 rows, the last of 1, 2, 4, 8
+// or 16.
+template <int BITS>
+void share(const Problem& p, const uint16_t* xb, int begin, int end, const Tables& t, std::vector<uint16_t>& pairs,
+           float* sums) {
+    pairs.resize(static_cast<size_t>(p.Kp) * PANEL);
+    for (int q = begin; q < end; ++q) {
+        const uint8_t* panel = p.panels + q * p.layout.bytes;
+        widen_panel<BITS>(panel + p.layout.q, p.Kp, t, pairs.data());
+        for (int m0 = 0; m0 < p.M; m0 += ROWS) {
+            const int left = p.M - m0;
+            if (left > 8) rows<BITS, 16>(p, xb, panel, pairs.data(), q * PANEL, m0, sums);
+            else if (left > 4) rows<BITS, 8>(p, xb, panel, pairs.data(), q * PANEL, m0, sums);
+            else if (left > 2) rows<BITS, 4>(p, xb, panel, pairs.data(), q * PANEL, m0, sums);
+            else if (left > 1) rows<BITS, 2>(p, xb, panel, pairs.data(), q * PANEL, m0, sums);
+            else rows<BITS, 1>(p, xb, panel, pairs.data(), q * PANEL, m0, sums);
+        }
+    }
+}
+
+// x's rows in bf16, read as x[:, perm] where perm is not null, copied as the x tiles of each problem's rows
+// (offsets[j] .. offsets[j + 1]): per block of 16 rows (the last padded with zeros), its chunks of C k one after the
+// other, each 16 rows of C k (a tile's rows 2 C bytes apart), K padded with zeros to Kp; problem j's from
+// x[starts[j]]. And each group's sum in float32 where `sums`, [M + 16, Kp / G] (a block's rows past M read zeros).
+struct Rows {
+    std::vector<uint16_t> x;
+    std::vector<int64_t> starts;
+    std::vector<float> xsum;
+};
+
+Rows bf16_rows(const uint16_t* x, const int32_t* perm, bool sums, int G, int K, int Kp, const int32_t* offsets,
+               int count) {
+    const int groups = Kp / G, C = chunk_k(G), M = offsets[count];
+    Rows r{{}, std::vector<int64_t>(count), std::vector<float>(sums ? static_cast<size_t>(M + ROWS) * groups : 0, 0.0f)};
+    int64_t size = 0;
+    for (int j = 0; j < count; ++j) {
+        r.starts[j] = size;
+        size += static_cast<int64_t>((offsets[j + 1] - offsets[j] + ROWS - 1) / ROWS) * ROWS * Kp;
+    }
+    r.x.assign(size, 0);
+    std::vector<uint16_t> row(Kp, 0);
+    for (int j = 0; j < count; ++j)
+        for (int m = offsets[j]; m < offsets[j + 1]; ++m) {
+            const uint16_t* src = x + static_cast<int64_t>(m) * K;
+            if (perm) for (int k = 0; k < K; ++k) row[k] = src[perm[k]];
+            else memcpy(row.data(), src, sizeof(uint16_t) * K);
+            const int i = m - offsets[j];
+            uint16_t* block = r.x.data() + r.starts[j] + static_cast<int64_t>(i / ROWS) * ROWS * Kp;
+            for (int k = 0; k < Kp; k += C) memcpy(block + static_cast<int64_t>(k) * ROWS + (i % ROWS) * C, &row[k], 2 * C);
+            if (sums)
+                for (int g = 0; g < groups; ++g) {
+                    float total = 0.0f;
+                    for (int k = g * G; k < (g + 1) * G; ++k) total += bf16_to_f32(row[k]);
+                    r.xsum[static_cast<size_t>(m) * groups + g] = total;
+                }
+        }
+    return r;
+}
+
+// Each thread an even share of the panels of every problem (problems[j]: rows offsets[j] ..; one for gemm_quant).
+template <int BITS>
+void run(const std::vector<Problem>& problems, const Rows& xr, int threads) {
+    const Problem& first = problems[0];
+    const int per = (first.N + PANEL - 1) / PANEL, count = static_cast<int>(problems.size());
+    const int64_t total = static_cast<int64_t>(per) * count;
+    const Tables t;
+#pragma omp parallel num_threads(threads)
+    {
+        const int workers = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t begin = total * id / workers, end = total * (id + 1) / workers;
+        if (begin < end) {
+            configure_tiles(chunk_k(first.G));
+            std::vector<uint16_t> pairs;
+            alignas(64) float sums[2 * BATCH * 256];
+            for (int64_t j = begin / per; j < count && j * per < end; ++j) {
+                const Problem& p = problems[j];
+                const int lo = static_cast<int>(begin > j * per ? begin - j * per : 0);
+                const int hi = static_cast<int>(end < (j + 1) * per ? end - j * per : per);
+                if (p.M > 0 && lo < hi) share<BITS>(p, xr.x.data() + xr.starts[j], lo, hi, t, pairs, sums);
+            }
+            _tile_release();
+        }
+    }
+}
+
+void run_bits(int bits, const std::vector<Problem>& problems, const Rows& xr, int threads) {
+    if (bits == INT8) run<INT8>(problems, xr, threads);
+    else if (bits == INT6) run<INT6>(problems, xr, threads);
+    else run<INT4>(problems, xr, threads);
+}
+
+}  // namespace amx_path
+#endif
+
 // One-level (S = 0): float32 or bfloat16 scales, zero points for int4 only. Two-level (S > 0): float16 d (and dmin),
 // mins optional for int8 and required for int4 (whose q carry no offset of 8 there).
 bool refused(int bits, int G, int S, int zeros, int scale_dtype, std::initializer_list<int> dtypes) {
@@ -531,6 +748,9 @@ bool refused(int bits, int G, int S, int zeros, int scale_dtype, std::initialize
     return false;
 }
 
+// The AMX build multiplies bfloat16 x only (a float32 x would be rounded).
+inline bool x_refused(int x_dtype) { return QUANT_AMX && x_dtype != BF16; }
+
 }  // namespace
 
 // x [M, K] float32 or bfloat16, read as x[:, perm] where perm (int32 [K], a permutation of 0..K-1: a GPTQ
@@ -541,12 +761,24 @@ bool refused(int bits, int G, int S, int zeros, int scale_dtype, std::initialize
 extern "C" int gemm_quant(const void* x, int x_dtype, const int32_t* perm, const void* panels, int zeros,
                           int scale_dtype, int bits, int G, int S, const void* bias, int bias_dtype, void* out,
                           int out_dtype, int M, int N, int K, int prefetch_mode, int threads) {
-    if (refused(bits, G, S, zeros, scale_dtype, {x_dtype, out_dtype}) || M < 0 || N < 1 || K < 1) return 1;
+    if (refused(bits, G, S, zeros, scale_dtype, {x_dtype, out_dtype}) || x_refused(x_dtype) || M < 0 || N < 1 ||
+        K < 1)
+        return 1;
     if (M == 0) return 0;
     const int Kp = padded_k(K, G, S);
     const bool sums = bits == INT4 || zeros;
-    const RoundedRows rows = round_rows(x, x_dtype, perm, sums, G, M, K, Kp, threads);
     const std::vector<float> bias32 = bias_as_f32(bias, bias_dtype, N);
+#if QUANT_AMX
+    const int32_t rows[2] = {0, M};
+    const amx_path::Rows xr = amx_path::bf16_rows(static_cast<const uint16_t*>(x), perm, sums, G, K, Kp, rows, 1);
+    const std::vector<Problem> problem{{nullptr, nullptr, sums ? xr.xsum.data() : nullptr,
+                                        static_cast<const uint8_t*>(panels),
+                                        panel_layout(bits, G, S, Kp, scale_dtype, zeros != 0),
+                                        bias ? bias32.data() : nullptr, out, scale_dtype, out_dtype, M, N, Kp, G, S}};
+    amx_path::run_bits(bits, problem, xr, threads);
+    (void)prefetch_mode;  // the widening reads each panel once, in order: no software prefetch
+#else
+    const RoundedRows rows = round_rows(x, x_dtype, perm, sums, G, M, K, Kp, threads);
     const Problem p{rows.xq.data(), rows.unit.data(), sums ? rows.xsum.data() : nullptr,
                     static_cast<const uint8_t*>(panels), panel_layout(bits, G, S, Kp, scale_dtype, zeros != 0),
                     bias ? bias32.data() : nullptr, out, scale_dtype, out_dtype, M, N, Kp, G, S};
@@ -554,6 +786,7 @@ extern "C" int gemm_quant(const void* x, int x_dtype, const int32_t* perm, const
     if (bits == INT8) far ? run<INT8, FAR>(p, threads) : run<INT8, NEAR>(p, threads);
     else if (bits == INT6) far ? run<INT6, FAR>(p, threads) : run<INT6, NEAR>(p, threads);
     else far ? run<INT4, FAR>(p, threads) : run<INT4, NEAR>(p, threads);
+#endif
     return 0;
 }
 
@@ -565,15 +798,30 @@ extern "C" int gemm_quant(const void* x, int x_dtype, const int32_t* perm, const
 extern "C" int gemm_quant_grouped(const void* x, int x_dtype, const void* const* panels, int zeros, int scale_dtype,
                                   int bits, int G, int S, void* out, int out_dtype, const int32_t* offsets, int count,
                                   int N, int K, int prefetch_mode, int threads) {
-    if (refused(bits, G, S, zeros, scale_dtype, {x_dtype, out_dtype}) || count < 0 || N < 1 || K < 1) return 1;
+    if (refused(bits, G, S, zeros, scale_dtype, {x_dtype, out_dtype}) || x_refused(x_dtype) || count < 0 || N < 1 ||
+        K < 1)
+        return 1;
     const int M = count > 0 ? offsets[count] : 0;
     if (M == 0) return 0;
     const int Kp = padded_k(K, G, S), groups = Kp / G, per = (N + PANEL - 1) / PANEL;
     const bool sums = bits == INT4 || zeros;
-    const RoundedRows rows = round_rows(x, x_dtype, nullptr, sums, G, M, K, Kp, threads);
     const PanelLayout layout = panel_layout(bits, G, S, Kp, scale_dtype, zeros != 0);
     const int64_t out_row = static_cast<int64_t>(N) * (out_dtype == BF16 ? 2 : 4);
     std::vector<Problem> problems;
+#if QUANT_AMX
+    const amx_path::Rows xr = amx_path::bf16_rows(static_cast<const uint16_t*>(x), nullptr, sums, G, K, Kp, offsets,
+                                                  count);
+    for (int j = 0; j < count; ++j) {
+        const int64_t first = offsets[j];
+        problems.push_back({nullptr, nullptr, sums ? xr.xsum.data() + first * groups : nullptr,
+                            static_cast<const uint8_t*>(panels[j]), layout, nullptr,
+                            static_cast<uint8_t*>(out) + first * out_row, scale_dtype, out_dtype,
+                            offsets[j + 1] - offsets[j], N, Kp, G, S});
+    }
+    amx_path::run_bits(bits, problems, xr, threads);
+    (void)prefetch_mode;
+#else
+    const RoundedRows rows = round_rows(x, x_dtype, nullptr, sums, G, M, K, Kp, threads);
     for (int j = 0; j < count; ++j) {
         const int64_t first = offsets[j];
         problems.push_back({rows.xq.data() + first * Kp, rows.unit.data() + first * groups,
@@ -598,5 +846,11 @@ extern "C" int gemm_quant_grouped(const void* x, int x_dtype, const void* const*
             else far ? share_rows<INT4, FAR>(p, lo, hi) : share_rows<INT4, NEAR>(p, lo, hi);
         }
     }
+#endif
     return 0;
 }
+
+#if QUANT_AMX
+// The process's permission to use the AMX tile data (amx.h): 0 when granted, else the errno of the refusal.
+extern "C" int amx_enable() { return amx::request_tile_data(); }
+#endif

@@ -12,8 +12,8 @@
 
 A weight is quantised once into a `QuantizedTensor` (the integers and per-group scales, row-major), from which each
 matmul that can run it takes its own packed copy: mini-infer's kernel (cpu_gemm_quant.cpp, AVX2 or AVX-512: x rounded
-to int16 per group, the weights widened in registers, exact integer sums per group) reads `QuantPanels`; torch's int4
-matmul reads `TorchInt4Pack`.
+to int16 per group, the weights widened in registers, exact integer sums per group; AMX: a bf16 x as it is, the
+weights widened to bf16 tiles, float32 sums per group) reads `QuantPanels`; torch's int4 matmul reads `TorchInt4Pack`.
 Scales and zeros are rounded to the model's dtype where it is bfloat16 or float16 (stored as bfloat16 for a bf16
 model, 2 bytes per group and column), so that every candidate, torch's included, multiplies the same numbers.
 """
@@ -393,17 +393,22 @@ def torch_int4_linear(x: torch.Tensor, weight: TorchInt4Pack, bias: torch.Tensor
 # --- the native kernel -----------------------------------------------------------------------------------------
 
 # The native paths for quantised weights, named as the float ones (kernels/cpu.py): the AVX2, AVX-512BW and
-# AVX512_VNNI builds, each with the weight stream prefetched NEAR (into L1) or FAR (into L2).
+# AVX512_VNNI builds, each with the weight stream prefetched NEAR (into L1) or FAR (into L2), and the AMX build
+# (bfloat16 activations only: it multiplies x as it is, in bf16 tiles).
 SCALE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the kernels' scale_dtype argument
 QUANT_KERNELS = {"avx2": ("gemm_quant", 0), "avx2/far": ("gemm_quant", 1), "avx512": ("gemm_quant_avx512", 0),
                  "avx512/far": ("gemm_quant_avx512", 1), "avx512_vnni": ("gemm_quant_vnni", 0),
-                 "avx512_vnni/far": ("gemm_quant_vnni", 1)}
+                 "avx512_vnni/far": ("gemm_quant_vnni", 1), "amx_bf16": ("gemm_quant_amx", 0)}
+BF16_ONLY = frozenset({"amx_bf16"})  # paths whose kernel refuses float32 activations
 
 
-def quant_paths() -> dict[str, str | None]:
-    """Each native path for quantised weights: None where it runs here, else why not."""
+def quant_paths(dtype: torch.dtype = torch.bfloat16) -> dict[str, str | None]:
+    """Each native path for quantised weights under `dtype` activations: None where it runs here, else why not."""
     paths = {}
     for path, (kernel, _) in QUANT_KERNELS.items():
+        if path in BF16_ONLY and dtype != torch.bfloat16:
+            paths[path] = f"it multiplies bfloat16 activations only, not {dtype}"
+            continue
         try:
             cpu.native_function(kernel)
             paths[path] = None
@@ -412,12 +417,18 @@ def quant_paths() -> dict[str, str | None]:
     return paths
 
 
+def _check_activations(x: torch.Tensor, path: str) -> None:
+    if path in BF16_ONLY and x.dtype != torch.bfloat16:
+        raise ValueError(f"quantised linear: the {path} path multiplies bfloat16 activations only, not {x.dtype}")
+
+
 def quant_linear(x: torch.Tensor, weight: QuantPanels, bias: torch.Tensor | None = None,
                  path: str = "avx2") -> torch.Tensor:
     """x [M, K] (float32 or bfloat16) @ the dequantised weight.T + bias -> [M, N] in x's dtype, float32 sums."""
     if x.dim() != 2 or x.shape[1] != weight.in_features or x.dtype not in cpu.DTYPE_CODES or path not in QUANT_KERNELS:
         raise ValueError(f"quantised linear: x {tuple(x.shape)} {x.dtype} on path {path!r} does not match an int"
                          f"{weight.bits} weight of {weight.out_features} x {weight.in_features}")
+    _check_activations(x, path)
     kernel, prefetch = QUANT_KERNELS[path]
     x = x.contiguous()
     out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)
@@ -446,6 +457,7 @@ def quant_linear_grouped(x: torch.Tensor, weights: list[QuantPanels], offsets: l
         raise ValueError(f"grouped quantised linear: x {tuple(x.shape)} {x.dtype} on path {path!r} with offsets "
                          f"{offsets} does not match {len(weights)} weights like int{first.bits} "
                          f"{first.out_features} x {first.in_features} without a permutation")
+    _check_activations(x, path)
     kernel, prefetch = QUANT_KERNELS[path]
     x = x.contiguous()
     out = torch.empty(x.shape[0], first.out_features, dtype=x.dtype)

@@ -321,7 +321,7 @@ def select_ops(mode: str, dtype: torch.dtype, device: str | torch.device, quanti
         warnings.warn(f"native CPU kernels unavailable ({reason}); the model runs {torch_matmul}", stacklevel=2)
         return Ops(False, f"{weights}{torch_matmul} (native CPU kernels unavailable: {reason})",
                    quantization=quantization, dtype=dtype)
-    float_why, quant_why = cpu.matmul_paths(dtype), quant.quant_paths() if quantization else {}
+    float_why, quant_why = cpu.matmul_paths(dtype), quant.quant_paths(dtype) if quantization else {}
     paths = {**float_why, **quant_why}
     float_paths = tuple(path for path, why in float_why.items() if why is None)
     quant_paths = tuple(path for path, why in quant_why.items() if why is None)
