@@ -9,7 +9,7 @@ import torch
 from mini_infer import LLM, SamplingParams
 from mini_infer.kernels import fused
 from mini_infer.model.attention import write_kv
-from mini_infer.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from mini_infer.model.layers import RMSNorm, RotaryEmbedding, experts_sum, silu_and_mul
 
 # Only a CPU without AVX2 skips: anywhere else a kernel that fails to build must fail these tests.
 pytestmark = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
@@ -124,6 +124,32 @@ def test_norm_and_activation_refuse_mismatched_tensors():
         fused.rms_norm(torch.randn(2, 8), torch.ones(7), 1e-6)
     with pytest.raises(ValueError, match="silu_mul: gate_up \\(2, 7\\)"):
         fused.silu_mul(torch.randn(2, 7))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,top_k,hidden", [(1, 8, 2048), (3, 2, 97), (8, 8, 64), (40, 4, 1536)])
+def test_experts_sum_equals_torchs_index_add_bit_for_bit(dtype, tokens, top_k, hidden):
+    """A mixture's weighted sum of its experts' rows (model/moe.py): the native pass rounds each product where
+    torch's mul does and sums a token's rows in y's order as its index_add_ does (in float32 for bfloat16, rounded
+    once), here over a random grouping; a row of -0.0 products starts from torch's +0.0 sum."""
+    gen = torch.Generator().manual_seed(tokens * top_k)
+    experts = torch.stack([torch.randperm(16, generator=gen)[:top_k] for _ in range(tokens)])
+    order = experts.flatten().argsort(stable=True)
+    y = random(tokens * top_k, hidden, seed=hidden, dtype=dtype, scale=5.0)
+    y[0] = -0.0
+    weights = torch.rand(tokens * top_k, generator=gen).to(dtype)
+    out = fused.moe_combine(y, weights, order, top_k, tokens)
+    expected = experts_sum(y, weights, order, top_k, tokens)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert out.dtype == dtype and torch.equal(out.view(bits), expected.view(bits))  # the zeros' signs too
+
+
+def test_experts_sum_refuses_an_order_outside_the_routing():
+    y, weights = torch.randn(4, 16), torch.rand(4)
+    with pytest.raises(ValueError, match=r"order entries in \[0, 4\] \(must be in \[0, 3\]\)"):
+        fused.moe_combine(y, weights, torch.tensor([0, 1, 4, 2]), 2, 2)
+    with pytest.raises(ValueError, match="for 2 tokens of 2 experts"):
+        fused.moe_combine(y, torch.rand(3), torch.tensor([0, 1, 2, 3]), 2, 2)
 
 
 # Ties (the first wins), NaN (the first NaN wins, over +inf), all -inf, rows sliced from wider ones (a padded

@@ -1,5 +1,5 @@
 // The elementwise steps of a decoder layer fused into one pass each: residual add + RMSNorm, SiLU(gate) * up,
-// and RoPE on q and k with the K/V cache write.
+// RoPE on q and k with the K/V cache write, and a mixture of experts' weighted sum of its experts' outputs.
 //
 // Tensors are float32 or bfloat16 (dtype code 0 or 1), all of one call in one dtype. Each kernel rounds where
 // torch's ops on that dtype round (after every op), so that the model gives the same numbers with these kernels
@@ -191,6 +191,40 @@ extern "C" void silu_mul(const void* gate_up, void* out, int dtype, int T, int I
             for (int j = i; j < end; ++j) store(out, dtype, o + j, round_to(dtype, silu[j - i]) * load(gate_up, dtype, in + I + j));
         }
     }
+}
+
+// A mixture of experts' outputs summed per token: y [P, H] holds the (token, expert) pairs' rows in the order the
+// experts ran them, pair p being entry order[p] of the [T, k] routing, so token order[p] / k with weight
+// weights[order[p]]. out [T, H] = the sum over each token's pairs, p = 0 .. P - 1 in turn, of y[p] * weight, each
+// product rounded to the dtype and the sums kept in float32, rounded once: what torch's
+// `zeros.index_add_(0, tokens, y * weights[order, None])` computes (its bfloat16 index_add_ accumulates in float32,
+// adding a row's sources in index order). The threads split the columns. Returns 0, or 1 (nothing written) where an
+// order entry is outside [0, T k).
+extern "C" int moe_combine(const void* y, const void* weights, const int64_t* order, void* out, int dtype, int P,
+                           int T, int H, int k, int threads) {
+    for (int p = 0; p < P; ++p)
+        if (order[p] < 0 || order[p] >= static_cast<int64_t>(T) * k) return 1;
+    std::vector<float> sums(static_cast<size_t>(T) * H, 0.0f);
+    const int pieces = (H + kSiluPiece - 1) / kSiluPiece;
+#pragma omp parallel for num_threads(threads) if (static_cast<int64_t>(P) * H >= kParallelElements)
+    for (int piece = 0; piece < pieces; ++piece) {
+        const int begin = piece * kSiluPiece, end = std::min(H, begin + kSiluPiece);
+        for (int p = 0; p < P; ++p) {
+            float* row = sums.data() + static_cast<int64_t>(order[p] / k) * H;
+            const int64_t src = static_cast<int64_t>(p) * H;
+            const float weight = load(weights, dtype, order[p]);
+            const __m256 w8 = _mm256_set1_ps(weight);
+            int i = begin;
+            for (; i + 8 <= end; i += 8)
+                _mm256_storeu_ps(row + i, _mm256_add_ps(_mm256_loadu_ps(row + i),
+                                                        round8(dtype, _mm256_mul_ps(load8(y, dtype, src + i), w8))));
+            for (; i < end; ++i) row[i] += round_to(dtype, load(y, dtype, src + i) * weight);
+        }
+        for (int t = 0; t < T; ++t)
+            for (int i = begin; i < end; ++i)
+                store(out, dtype, static_cast<int64_t>(t) * H + i, sums[static_cast<int64_t>(t) * H + i]);
+    }
+    return 0;
 }
 
 // qkv [T, (H + 2 KVH) D] -> q_out [T, H, D] with RoPE (rotate-half) at positions[t]; k (rotated) and v land in

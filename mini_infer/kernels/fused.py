@@ -1,5 +1,6 @@
 """The native fused elementwise kernels of a decoder layer (cpu_fused.cpp): residual add + RMSNorm, SiLU x up,
-RoPE with the K/V cache write. Each rounds exactly where torch's ops on the same dtype round.
+RoPE with the K/V cache write, a mixture's weighted sum of its experts' outputs. Each rounds exactly where torch's ops
+on the same dtype round.
 
 Built and loaded with the other native kernels (kernels/cpu.py, whose availability check covers them).
 """
@@ -71,6 +72,24 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
     cpu.native_function("silu_mul")(gate_up.data_ptr(), out.data_ptr(), cpu.DTYPE_CODES[gate_up.dtype], *out.shape,
                                     torch.get_num_threads())
+    return out
+
+
+def moe_combine(y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, top_k: int,
+                num_tokens: int) -> torch.Tensor:
+    """layers.experts_sum in one pass: y [P, H] (row p: entry order[p] of the [num_tokens, top_k] routing) weighted
+    by weights [num_tokens * top_k] and summed per token into [num_tokens, H], rounded as torch's ops round."""
+    if (y.dim() != 2 or y.dtype not in cpu.DTYPES or weights.dtype != y.dtype
+            or weights.shape != (num_tokens * top_k,) or order.shape != (y.shape[0],)):
+        raise ValueError(f"moe_combine: y {tuple(y.shape)} {y.dtype}, weights {tuple(weights.shape)} {weights.dtype}, "
+                         f"order {tuple(order.shape)} for {num_tokens} tokens of {top_k} experts")
+    y, weights, order = y.contiguous(), weights.contiguous(), order.to(torch.int64).contiguous()
+    out = torch.empty(num_tokens, y.shape[1], dtype=y.dtype)
+    if cpu.native_function("moe_combine")(y.data_ptr(), weights.data_ptr(), order.data_ptr(), out.data_ptr(),
+                                          cpu.DTYPE_CODES[y.dtype], y.shape[0], num_tokens, y.shape[1], top_k,
+                                          torch.get_num_threads()):
+        raise ValueError(f"moe_combine: order entries in [{int(order.min())}, {int(order.max())}] (must be in "
+                         f"[0, {num_tokens * top_k - 1}])")
     return out
 
 

@@ -98,3 +98,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] (gate, then up) -> silu(gate) * up [T, I]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def experts_sum(y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, top_k: int,
+                num_tokens: int) -> torch.Tensor:
+    """A mixture's output per token [num_tokens, H]: row p of y [P, H] is entry order[p] of the [num_tokens, top_k]
+    routing (token order[p] // top_k, routing weight weights[order[p]] of the flattened weights), each token's
+    weighted rows added in y's order (transformers' index_add_ order; in bfloat16, torch's index_add_ sums in
+    float32 and rounds once)."""
+    out = torch.zeros(num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
+    return out.index_add_(0, order // top_k, y * weights[order, None])

@@ -11,6 +11,7 @@ every rank and one all-reduce sums the ranks' partial outputs.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from itertools import accumulate
 
@@ -29,15 +30,17 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 
 class SparseMoeBlock(nn.Module):
     def __init__(self, moe: MoeConfig, hidden_size: int, intermediate_size: int, shared_intermediate_size: int,
-                 linear: Callable, reduce: Callable, activation: Callable, grouped_linear: Callable | None = None, *,
-                 dtype: torch.dtype, device) -> None:
+                 linear: Callable, reduce: Callable, activation: Callable, combine: Callable,
+                 grouped_linear: Callable | None = None, *, dtype: torch.dtype, device) -> None:
         """intermediate_size / shared_intermediate_size: this rank's slice of each expert's / the shared expert's;
-        grouped_linear(x, weights, offsets): several experts' matmuls in one call, or None where it cannot
-        (Ops.grouped_linear); the experts then run one by one through `linear`."""
+        combine(y, weights, order, top_k, num_tokens): the experts' rows weighted and summed per token
+        (Ops.experts_sum); grouped_linear(x, weights, offsets): several experts' matmuls in one call, or None where it
+        cannot (Ops.grouped_linear); the experts then run one by one through `linear`."""
         super().__init__()
         factory = dict(dtype=dtype, device=device)
         self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
-        self.linear, self.reduce, self.activation, self.grouped_linear = linear, reduce, activation, grouped_linear
+        self.linear, self.reduce, self.activation, self.combine = linear, reduce, activation, combine
+        self.grouped_linear = grouped_linear
         # The router, kept in the model's dtype (never quantised); a linear weight like the others otherwise (the
         # engine's matmul: at one token on an AMX Xeon, torch's bf16 matmul of it took ~80 us more right after a
         # quantised kernel than alone).
@@ -72,20 +75,23 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with profiled("moe_routing"):
             experts, weights = self.route(x)
-            # (token, expert) pairs grouped by expert, in token order within each group; the experts hit and their
-            # counts in one host read a layer.
-            flat = experts.flatten()
-            order = flat.argsort(stable=True)
-            tokens = order // self.top_k
-            ids, counts = torch.stack(torch.unique_consecutive(flat[order], return_counts=True)).tolist()
+            # The (token, expert) pairs grouped by expert, in token order within each group: a stable sort of the
+            # flattened [T, k] choices, read to the host once a layer. Sorted in Python: a decode step's few pairs
+            # took ~0.2 ms a layer through argsort and unique_consecutive right after the experts' matmuls had
+            # streamed their weights through the caches (the Qwen3-30B-A3B shape at one token on an AMX Xeon).
+            flat = experts.flatten().tolist()
+            order = sorted(range(len(flat)), key=flat.__getitem__)
+            counts = Counter(flat)
+            ids = sorted(counts)
             hit = [self.experts[e] for e in ids]
-            offsets = [0, *accumulate(counts)]
+            offsets = [0, *accumulate(counts[e] for e in ids)]
+            order = torch.tensor(order, device=x.device)
         with profiled("experts"):
             # Each expert with tokens once, on all of its rows, in expert index order; every token's outputs summed
             # in that order (transformers' index_add_ order).
-            gate_up = self._each(x[tokens], [mlp.gate_up_proj for mlp in hit], offsets)
+            gate_up = self._each(x[order // self.top_k], [mlp.gate_up_proj for mlp in hit], offsets)
             y = self._each(self.activation(gate_up), [mlp.down_proj for mlp in hit], offsets)
-            out = torch.zeros_like(x).index_add_(0, tokens, y * weights.flatten()[order, None])
+            out = self.combine(y, weights.flatten(), order, self.top_k, x.shape[0])
         if self.shared_expert is not None:
             out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
         return self.reduce(out)

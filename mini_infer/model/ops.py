@@ -24,7 +24,7 @@ from mini_infer.config import CPU_KERNEL_MODES, QUANTIZATION_METHODS, EngineConf
 from mini_infer.kernels import cpu, fused, quant
 from mini_infer.kernels.autotune import BUCKETS, LinearTuner, bucket_index, machine_key, timed_ms
 from mini_infer.model.attention import AttentionMetadata, paged_attention, write_kv
-from mini_infer.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from mini_infer.model.layers import RMSNorm, RotaryEmbedding, experts_sum, silu_and_mul
 from mini_infer.profiling import profiled
 
 if TYPE_CHECKING:
@@ -139,6 +139,14 @@ class Ops:
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return fused.silu_mul(gate_up) if self.native else silu_and_mul(gate_up)
+
+    def experts_sum(self, y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, top_k: int,
+                    num_tokens: int) -> torch.Tensor:
+        """A mixture's weighted sum of its experts' rows per token (layers.experts_sum), in one native pass for
+        bfloat16/float32 where the kernel runs."""
+        if self.runs("moe_combine") and y.dtype in cpu.DTYPES:
+            return fused.moe_combine(y, weights, order, top_k, num_tokens)
+        return experts_sum(y, weights, order, top_k, num_tokens)
 
     def runs(self, kernel: str) -> bool:
         """Whether the optional native kernel `kernel` (cpu.OPTIONAL) does its job here."""
