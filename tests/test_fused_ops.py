@@ -144,6 +144,26 @@ def test_experts_sum_equals_torchs_index_add_bit_for_bit(dtype, tokens, top_k, h
     assert out.dtype == dtype and torch.equal(out.view(bits), expected.view(bits))  # the zeros' signs too
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 32, 4, 128), (3, 4, 2, 16), (40, 6, 6, 64)])
+def test_rms_norm_heads_in_place_equals_the_norm_of_each_head_as_a_row(dtype, tokens, heads, kv_heads, head_dim):
+    """Qwen3's q/k norms in one native call, in place over qkv: each query head as q_norm and each key head as
+    k_norm computes it on that head as a row, the values untouched."""
+    q_norm, k_norm = (RMSNorm(head_dim, 1e-6, dtype=dtype, device="cpu") for _ in range(2))
+    q_norm.weight.data = 1.0 + random(head_dim, seed=1, dtype=dtype, scale=0.2)
+    k_norm.weight.data = 1.0 + random(head_dim, seed=2, dtype=dtype, scale=0.2)
+    qkv = random(tokens, (heads + 2 * kv_heads) * head_dim, seed=tokens, dtype=dtype, scale=3.0)
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    expected = qkv.clone()
+    expected[:, :q_size] = q_norm(qkv[:, :q_size].reshape(-1, head_dim)).view(tokens, -1)
+    keys = slice(q_size, q_size + kv_size)
+    expected[:, keys] = k_norm(qkv[:, keys].reshape(-1, head_dim)).view(tokens, -1)
+    fused.rms_norm_heads(qkv, q_norm.weight, k_norm.weight, heads, kv_heads, 1e-6)
+    assert torch.equal(qkv, expected)
+    with pytest.raises(ValueError, match="rms_norm_heads: qkv"):
+        fused.rms_norm_heads(qkv[:, 1:], q_norm.weight, k_norm.weight, heads, kv_heads, 1e-6)
+
+
 def test_experts_sum_refuses_an_order_outside_the_routing():
     y, weights = torch.randn(4, 16), torch.rand(4)
     with pytest.raises(ValueError, match=r"order entries in \[0, 4\] \(must be in \[0, 3\]\)"):

@@ -81,6 +81,8 @@ _KERNELS = {
     "add_rms_norm": _Kernel("cpu_fused.cpp", "add_rms_norm", [_P] * 5 + [_I] * 3 + [_F, _I, _I], None, _FUSED,
                             ("avx2", "fma")),
     "silu_mul": _Kernel("cpu_fused.cpp", "silu_mul", [_P] * 2 + [_I] * 4, None, _FUSED, ("avx2", "fma")),
+    "rms_norm_heads": _Kernel("cpu_fused.cpp", "rms_norm_heads", [_P] * 3 + [_I] * 5 + [_F, _I, _I], None, _FUSED,
+                              ("avx2", "fma")),
     "rope_kv_write": _Kernel("cpu_fused.cpp", "rope_kv_write", [_P] * 8 + [_I] * 5 + [ctypes.c_int64] * 2 + [_I], _I,
                              _FUSED, ("avx2", "fma")),
     "argmax_rows": _Kernel("cpu_fused.cpp", "argmax_rows", [_P, _I, _I, _I, ctypes.c_int64, _P, _I], None, _FUSED,
@@ -125,7 +127,7 @@ for _suffix, (_flags, _needs, _enable) in _QUANT_BUILDS.items():
 # does it where they do not; Ops' note says which are missing).
 REQUIRED = ("gemm", "paged_decode_attention", "paged_prefill_attention", "add_rms_norm", "silu_mul", "rope_kv_write")
 OPTIONAL = ("argmax_rows", "top_k_rows", "mask_rows", "decode_layers", "shm_allreduce", "paged_decode_attention_bf16",
-            "paged_prefill_attention_bf16", "moe_combine")
+            "paged_prefill_attention_bf16", "moe_combine", "rms_norm_heads")
 
 
 @dataclass(frozen=True, slots=True)

@@ -170,6 +170,24 @@ extern "C" void add_rms_norm(const void* x, const void* residual, const void* we
     }
 }
 
+// Qwen3's q/k norms in place: in each of the T rows of qkv [T, (H + 2 KVH) D], RMSNorm with q_weight over each of
+// the H query heads and with k_weight over each of the KVH key heads (D values each), as add_rms_norm computes
+// them on those heads as rows.
+extern "C" void rms_norm_heads(void* qkv, const void* q_weight, const void* k_weight, int dtype, int T, int H,
+                               int KVH, int D, float eps, int width, int threads) {
+    const size_t elem = dtype == BF16 ? 2 : 4;
+    const int heads = H + KVH;
+#pragma omp parallel for num_threads(threads) if (static_cast<int64_t>(T) * heads * D >= kParallelElements)
+    for (int64_t item = 0; item < static_cast<int64_t>(T) * heads; ++item) {
+        const int t = static_cast<int>(item / heads), head = static_cast<int>(item % heads);
+        const int64_t base = (static_cast<int64_t>(t) * (H + 2 * KVH) + head) * D;
+        std::vector<float> row(D);
+        for (int d = 0; d < D; ++d) row[d] = load(qkv, dtype, base + d);
+        normalise_row(row.data(), D, head < H ? q_weight : k_weight, static_cast<char*>(qkv) + base * elem, dtype, eps,
+                      width);
+    }
+}
+
 // gate_up [T, 2I] (gate, then up) -> out [T, I] = silu(gate) * up, each rounded to the dtype. The threads split
 // rows into pieces of kSiluPiece columns, so that one decode row of a 0.5B model (I = 4864) takes both cores.
 extern "C" void silu_mul(const void* gate_up, void* out, int dtype, int T, int I, int threads) {

@@ -64,6 +64,22 @@ def _launch_norm(x, residual, weight, eps, width):
     return out, residual_out
 
 
+def rms_norm_heads(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_heads: int,
+                   num_kv_heads: int, eps: float) -> None:
+    """Qwen3's q_norm over each query head and k_norm over each key head of qkv [T, (heads + 2 kv_heads) D], in
+    place: as rms_norm on those heads as rows."""
+    head_dim = q_weight.shape[0]
+    if (qkv.dim() != 2 or qkv.dtype not in cpu.DTYPES or not qkv.is_contiguous()
+            or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim
+            or any(w.shape != (head_dim,) or w.dtype != qkv.dtype for w in (q_weight, k_weight))):
+        raise ValueError(f"rms_norm_heads: qkv {tuple(qkv.shape)} {qkv.dtype} (contiguous: {qkv.is_contiguous()}) with "
+                         f"{num_heads} + 2 x {num_kv_heads} heads, weights {tuple(q_weight.shape)} "
+                         f"{tuple(k_weight.shape)}")
+    cpu.native_function("rms_norm_heads")(qkv.data_ptr(), q_weight.contiguous().data_ptr(),
+                                          k_weight.contiguous().data_ptr(), cpu.DTYPE_CODES[qkv.dtype], qkv.shape[0],
+                                          num_heads, num_kv_heads, head_dim, eps, sum_width(), torch.get_num_threads())
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [T, 2I] (gate, then up) -> F.silu(gate) * up [T, I]."""
     if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.dtype not in cpu.DTYPES:

@@ -190,8 +190,12 @@ class Ops:
         return q
 
     def _norm_heads(self, qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, num_heads: int, head_dim: int) -> None:
-        """q_norm over each query head and k_norm over each key head of qkv [T, q + 2 kv], in place."""
+        """q_norm over each query head and k_norm over each key head of qkv [T, q + 2 kv], in place (natively in one
+        call where the kernel runs)."""
         q_size, kv_size = num_heads * head_dim, (qkv.shape[1] - num_heads * head_dim) // 2
+        if self.runs("rms_norm_heads") and qkv.dtype in cpu.DTYPES and qkv.is_contiguous():
+            fused.rms_norm_heads(qkv, q_norm.weight, k_norm.weight, num_heads, kv_size // head_dim, q_norm.eps)
+            return
         for norm, part in ((q_norm, slice(0, q_size)), (k_norm, slice(q_size, q_size + kv_size))):
             heads = qkv[:, part].reshape(-1, head_dim)
             qkv[:, part] = self.rms_norm(norm, heads)[0].view(qkv.shape[0], -1)
