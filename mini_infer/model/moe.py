@@ -80,12 +80,11 @@ class SparseMoeBlock(nn.Module):
             # took ~0.2 ms a layer through argsort and unique_consecutive right after the experts' matmuls had
             # streamed their weights through the caches (the Qwen3-30B-A3B shape at one token on an AMX Xeon).
             flat = experts.flatten().tolist()
-            order = sorted(range(len(flat)), key=flat.__getitem__)
             counts = Counter(flat)
             ids = sorted(counts)
             hit = [self.experts[e] for e in ids]
             offsets = [0, *accumulate(counts[e] for e in ids)]
-            order = torch.tensor(order, device=x.device)
+            order = torch.tensor(sorted(range(len(flat)), key=flat.__getitem__), device=x.device)
         with profiled("experts"):
             # Each expert with tokens once, on all of its rows, in expert index order; every token's outputs summed
             # in that order (transformers' index_add_ order).
