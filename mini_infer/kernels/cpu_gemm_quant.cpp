@@ -1,6 +1,7 @@
-// out[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) with w quantised weight-only, group-wise along K; built three times
+// out[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) with w quantised weight-only, group-wise along K; built four times
 // (kernels/cpu.py): AVX2 (QUANT_AVX512 = 0: 8 int32 lanes, vpmaddwd + vpaddd), AVX-512BW (QUANT_AVX512 = 1, 16
-// lanes, the same two instructions) and AVX512_VNNI (QUANT_VNNI = 1: vpdpwssd, the two in one).
+// lanes, the same two instructions), AVX512_VNNI (QUANT_VNNI = 1: vpdpwssd, the two in one) and AMX (QUANT_AMX = 1,
+// bf16 x only: the integers widened to bf16 tiles, TDPBF16PS; its section below).
 //
 // Formats (kernels/quant.py packs them), for each group of G consecutive k of a column n:
 //  - int8: w[n, k] = q[n, k] * scale[n, g], q signed 8-bit (symmetric).
