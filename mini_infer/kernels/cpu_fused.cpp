@@ -18,9 +18,10 @@ namespace {
 
 enum DType : int { F32 = 0, BF16 = 1 };
 // Elements from which a call splits its work over the threads (~5 us of a norm or SiLU on one core: measured on a
-// Zen 4 EPYC, one thread's SiLU of 8 x 4864 took 53 us), and the SiLU's piece of a row (a multiple of 8).
+// Zen 4 EPYC, one thread's SiLU of 8 x 4864 took 53 us), and the piece of a row's columns one thread takes in the
+// column-split kernels (SiLU, the experts' weighted sum; a multiple of 8).
 constexpr int64_t kParallelElements = 4096;
-constexpr int kSiluPiece = 1024;
+constexpr int kColumnPiece = 1024;
 
 inline float load(const void* data, int dtype, int64_t i) {
     return dtype == BF16 ? bf16_to_f32(static_cast<const uint16_t*>(data)[i]) : static_cast<const float*>(data)[i];
@@ -189,13 +190,13 @@ extern "C" void rms_norm_heads(void* qkv, const void* q_weight, const void* k_we
 }
 
 // gate_up [T, 2I] (gate, then up) -> out [T, I] = silu(gate) * up, each rounded to the dtype. The threads split
-// rows into pieces of kSiluPiece columns, so that one decode row of a 0.5B model (I = 4864) takes both cores.
+// rows into pieces of kColumnPiece columns, so that one decode row of a 0.5B model (I = 4864) takes both cores.
 extern "C" void silu_mul(const void* gate_up, void* out, int dtype, int T, int I, int threads) {
-    const int pieces = (I + kSiluPiece - 1) / kSiluPiece;
+    const int pieces = (I + kColumnPiece - 1) / kColumnPiece;
 #pragma omp parallel for num_threads(threads) if (static_cast<int64_t>(T) * I >= kParallelElements)
     for (int64_t piece = 0; piece < static_cast<int64_t>(T) * pieces; ++piece) {
-        const int t = static_cast<int>(piece / pieces), begin = static_cast<int>(piece % pieces) * kSiluPiece;
-        const int end = std::min(I, begin + kSiluPiece);
+        const int t = static_cast<int>(piece / pieces), begin = static_cast<int>(piece % pieces) * kColumnPiece;
+        const int end = std::min(I, begin + kColumnPiece);
         const int64_t in = static_cast<int64_t>(t) * 2 * I, o = static_cast<int64_t>(t) * I;
         int i = begin;
         for (; i + 8 <= end; i += 8) {
@@ -223,10 +224,10 @@ extern "C" int moe_combine(const void* y, const void* weights, const int64_t* or
     for (int p = 0; p < P; ++p)
         if (order[p] < 0 || order[p] >= static_cast<int64_t>(T) * k) return 1;
     std::vector<float> sums(static_cast<size_t>(T) * H, 0.0f);
-    const int pieces = (H + kSiluPiece - 1) / kSiluPiece;
+    const int pieces = (H + kColumnPiece - 1) / kColumnPiece;
 #pragma omp parallel for num_threads(threads) if (static_cast<int64_t>(P) * H >= kParallelElements)
     for (int piece = 0; piece < pieces; ++piece) {
-        const int begin = piece * kSiluPiece, end = std::min(H, begin + kSiluPiece);
+        const int begin = piece * kColumnPiece, end = std::min(H, begin + kColumnPiece);
         for (int p = 0; p < P; ++p) {
             float* row = sums.data() + static_cast<int64_t>(order[p] / k) * H;
             const int64_t src = static_cast<int64_t>(p) * H;
