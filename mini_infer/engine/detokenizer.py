@@ -8,19 +8,39 @@ mini_infer.engine.stop looks for).
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from mini_infer.sampling_params import SamplingParams
 
+
 def load_tokenizer(model_dir: Path):
     """The directory's fast tokenizer (tokenizer.json plus tokenizer_config.json for special tokens and the
-    chat template), or None when it has no tokenizer.json: such a model serves token-id prompts only."""
+    chat template), or None when it has no tokenizer.json: such a model serves token-id prompts only.
+
+    Parsed once per process while the directory's tokenizer files stay as they were (Qwen's 151,646-token
+    tokenizer.json takes ~0.7 s to parse): engines over one model in one process (a bench's systems, a KL run's
+    two engines, a router and its in-process client) share the one tokenizer object, which mini-infer only reads."""
     if not (model_dir / "tokenizer.json").is_file():
         return None
+    directory = model_dir.resolve()
+    files = tuple(sorted((entry.name, entry.stat().st_mtime_ns, entry.stat().st_size) for entry in directory.iterdir()
+                         if entry.suffix in _TOKENIZER_SUFFIXES and entry.is_file()))
+    return _parsed_tokenizer(str(directory), files)
+
+
+# What transformers reads for a fast tokenizer: tokenizer.json, tokenizer_config.json, special_tokens_map.json,
+# added_tokens.json, chat_template.jinja / .json (vocabulary files of slow tokenizers are not read for a fast one).
+_TOKENIZER_SUFFIXES = (".json", ".jinja")
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed_tokenizer(model_dir: str, files: tuple):
+    """files: (name, mtime, size) of the directory's tokenizer files, part of the cache key only."""
     # The tokenizer class alone: no auto mappings, no modeling code.
     from transformers import PreTrainedTokenizerFast
 
-    return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+    return PreTrainedTokenizerFast.from_pretrained(model_dir)
 
 
 def raw_decoder(tokenizer):
