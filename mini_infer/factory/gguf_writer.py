@@ -121,14 +121,7 @@ def _tokenizer_metadata(writer, config: dict, family: str) -> None:
     """The Qwen tokenizer as llama.cpp's GPT-2-style BPE vocabulary: tokens in id order (the byte-level strings of
     tokenizer.json), padded to the embedding's rows with unused [PADn] tokens, their types, the merges, the special
     ids and the chat template."""
-    from tokenizers import Tokenizer
-
-    from mini_infer.factory.tokenizer import QWEN3_CONTROL_TOKENS
-
-    tokenizer = Tokenizer.from_file(str(cached_tokenizer_json()))
-    if family == "qwen3":
-        tokenizer.add_tokens(QWEN3_CONTROL_TOKENS)
-    spec = json.loads(tokenizer.to_str())
+    spec = json.loads(cached_tokenizer_json(family).read_text(encoding="utf-8"))
     vocab = spec["model"]["vocab"]
     added = {token["id"]: token for token in spec["added_tokens"]}
     size = config["vocab_size"]
@@ -144,9 +137,10 @@ def _tokenizer_metadata(writer, config: dict, family: str) -> None:
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
-    writer.add_eos_token_id(tokenizer.token_to_id(template["eos_token"]))
-    writer.add_pad_token_id(tokenizer.token_to_id(template["pad_token"]))
-    writer.add_bos_token_id(tokenizer.token_to_id(template["pad_token"]))
+    ids = {token["content"]: i for i, token in added.items()}  # both are added (special) tokens
+    writer.add_eos_token_id(ids[template["eos_token"]])
+    writer.add_pad_token_id(ids[template["pad_token"]])
+    writer.add_bos_token_id(ids[template["pad_token"]])
     writer.add_add_bos_token(False)
     writer.add_chat_template(template["chat_template"])
 
