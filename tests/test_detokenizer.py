@@ -97,19 +97,20 @@ def test_raw_decoder_gives_the_tokenizers_text(tokenizer):
     assert raw_decoder(Cleaning())([1, 2], True) == "wrapped" and calls == [[1, 2]]
 
 
-def test_a_directory_is_parsed_once_until_its_tokenizer_files_change(tiny_model_dir, tmp_path):
-    """Engines over one model share its parsed tokenizer; an edited tokenizer file (here the chat template) is read
-    again."""
+def test_tokenizer_files_are_parsed_once_until_they_change(tiny_model_dir, tmp_path):
+    """Engines over models of one tokenizer share it, whatever their directories; an edited tokenizer file (here the
+    chat template) is read again."""
     import json
     import shutil
 
     copy = tmp_path / "model"
     shutil.copytree(tiny_model_dir, copy)
     first = load_tokenizer(copy)
-    assert load_tokenizer(copy) is first and load_tokenizer(tiny_model_dir) is not first
+    assert load_tokenizer(copy) is first and load_tokenizer(tiny_model_dir) is first
     config = json.loads((copy / "tokenizer_config.json").read_text())
     config["chat_template"] = "{{ messages[0]['content'] }}!"
     (copy / "tokenizer_config.json").write_text(json.dumps(config))
     edited = load_tokenizer(copy)
     assert edited is not first and edited.chat_template == "{{ messages[0]['content'] }}!"
     assert edited.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "hi!"
+    assert load_tokenizer(tiny_model_dir) is first and first.chat_template != edited.chat_template

@@ -8,7 +8,9 @@ mini_infer.engine.stop looks for).
 
 from __future__ import annotations
 
-import functools
+import hashlib
+import threading
+from collections import OrderedDict
 from pathlib import Path
 
 from mini_infer.sampling_params import SamplingParams
@@ -18,29 +20,36 @@ def load_tokenizer(model_dir: Path):
     """The directory's fast tokenizer (tokenizer.json plus tokenizer_config.json for special tokens and the
     chat template), or None when it has no tokenizer.json: such a model serves token-id prompts only.
 
-    Parsed once per process while the directory's tokenizer files stay as they were (Qwen's 151,646-token
-    tokenizer.json takes ~0.7 s to parse): engines over one model in one process (a bench's systems, a KL run's
-    two engines, a router and its in-process client) share the one tokenizer object, which mini-infer only reads."""
+    Parsed once per process for the same tokenizer files (Qwen's 151,646-token tokenizer.json takes ~0.7 s to parse,
+    hashing the files ~20 ms): engines over models of one vocabulary and template (a bench's systems, a KL run's two
+    engines, a draft and its target) share the one tokenizer object, which mini-infer only reads."""
     if not (model_dir / "tokenizer.json").is_file():
         return None
-    directory = model_dir.resolve()
-    files = tuple(sorted((entry.name, entry.stat().st_mtime_ns, entry.stat().st_size) for entry in directory.iterdir()
-                         if entry.suffix in _TOKENIZER_SUFFIXES and entry.is_file()))
-    return _parsed_tokenizer(str(directory), files)
-
-
-# What transformers reads for a fast tokenizer: tokenizer.json, tokenizer_config.json, special_tokens_map.json,
-# added_tokens.json, chat_template.jinja / .json (vocabulary files of slow tokenizers are not read for a fast one).
-_TOKENIZER_SUFFIXES = (".json", ".jinja")
-
-
-@functools.lru_cache(maxsize=4)
-def _parsed_tokenizer(model_dir: str, files: tuple):
-    """files: (name, mtime, size) of the directory's tokenizer files, part of the cache key only."""
+    files = [model_dir / name for name in _TOKENIZER_FILES] + sorted((model_dir / _CHAT_TEMPLATES).glob("*"))
+    key = tuple((file.name, hashlib.sha256(file.read_bytes()).hexdigest()) for file in files if file.is_file())
+    with _PARSED_LOCK:
+        if key in _PARSED:
+            _PARSED.move_to_end(key)
+            return _PARSED[key]
     # The tokenizer class alone: no auto mappings, no modeling code.
     from transformers import PreTrainedTokenizerFast
 
-    return PreTrainedTokenizerFast.from_pretrained(model_dir)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+    with _PARSED_LOCK:
+        _PARSED[key] = tokenizer
+        while len(_PARSED) > _PARSED_KEPT:
+            _PARSED.popitem(last=False)
+    return tokenizer
+
+
+# What transformers reads for a fast tokenizer (tokenization_utils_base's file names) and its folder of named chat
+# templates: the cache key is their contents.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                    "chat_template.jinja", "chat_template.json")
+_CHAT_TEMPLATES = "additional_chat_templates"
+_PARSED: OrderedDict[tuple, object] = OrderedDict()  # the most recently used last
+_PARSED_KEPT = 4
+_PARSED_LOCK = threading.Lock()
 
 
 def raw_decoder(tokenizer):
