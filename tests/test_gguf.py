@@ -28,7 +28,8 @@ ARCHS = {"qwen2": "QWEN2", "qwen3": "QWEN3", "llama": "LLAMA", "qwen2_moe": "QWE
 FLOAT_KEPT = ("mlp.gate.weight", "shared_expert_gate.weight")
 QTYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0"}
 PROMPTS = [[5, 17, 42, 99, 3], [200, 11, 7], [64, 64, 1, 250, 31, 8, 12]]
-native = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+_NATIVE = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+native = pytest.mark.skipif(not _NATIVE,
                             reason="quantised GGUF weights run on the native kernels, which need AVX2 + FMA")
 
 
@@ -466,23 +467,33 @@ def _converter() -> Path | None:
     return script if script.is_file() else None
 
 
-@pytest.mark.skipif(_converter() is None, reason="the llama.cpp peer (its convert_hf_to_gguf.py) is not set up here")
-@pytest.mark.parametrize("preset,outtype", [("tiny", "bf16"), ("qwen3-moe-tiny", "q8_0")])
-def test_llama_cpps_own_converter_writes_files_that_load(tmp_path, preset, outtype):
-    from mini_infer.factory import make_model
-
-    source = make_model(preset, tmp_path / "hf", seed=1, dtype="bfloat16")
+def _convert(source: Path, outtype: str, out: Path) -> Path:
+    """`source` as a GGUF file written by llama.cpp's own converter (convert_hf_to_gguf.py --outtype `outtype`)."""
     script = _converter()
-    deps = script.parents[3] / "converter-deps"
-    subprocess.run([sys.executable, str(script), str(source), "--outtype", outtype, "--outfile",
-                    str(tmp_path / "model.gguf")], check=True, capture_output=True,
-                   env={"PYTHONPATH": str(deps), "PATH": "/usr/bin:/bin"})
-    ours = LLM(str(tmp_path / "model.gguf"), dtype="float32", num_kv_blocks=32)
-    theirs = LLM(str(source), dtype="float32", num_kv_blocks=32)
+    subprocess.run([sys.executable, str(script), str(source), "--outtype", outtype, "--outfile", str(out)],
+                   check=True, capture_output=True,
+                   env={"PYTHONPATH": str(script.parents[3] / "converter-deps"), "PATH": "/usr/bin:/bin"})
+    return out
+
+
+def _assert_loads_as(path: Path, source: Path, same_logits: bool) -> None:
+    """The file's own vocabulary tokenizes as the checkpoint's tokenizer; with `same_logits` (a float file of the
+    checkpoint's own dtype) its prompt and output logprobs are the checkpoint's. (On the native kernels without
+    timing them: the mixture's LM head alone takes ~20 s to time.)"""
+    settings = dict(dtype="float32", num_kv_blocks=32, cpu_kernels="on" if _NATIVE else "off")
+    ours, theirs = LLM(str(path), **settings), LLM(str(source), **settings)
     text = "Hello, world! 你好"
     assert ours.get_tokenizer().encode(text) == theirs.get_tokenizer().encode(text)
-    if outtype == "bf16":
+    if same_logits:
         assert _prompt_logprobs(ours) == _prompt_logprobs(theirs)
+
+
+@pytest.mark.skipif(_converter() is None, reason="the llama.cpp peer (its convert_hf_to_gguf.py) is not set up here")
+def test_llama_cpps_own_converter_writes_files_that_load(tmp_path):
+    from mini_infer.factory import make_model
+
+    source = make_model("tiny", tmp_path / "hf", seed=1, dtype="bfloat16")
+    _assert_loads_as(_convert(source, "bf16", tmp_path / "model.gguf"), source, same_logits=True)
 
 
 def _quantize_tool() -> Path | None:
@@ -492,28 +503,51 @@ def _quantize_tool() -> Path | None:
     return tool if tool.is_file() and _converter() is not None else None
 
 
+# The mixture of the llama.cpp tests below: 16 experts, an untied head, 9 layers (llama-quantize's use_more_bits picks
+# layers 0, 3, 6, 7 and 8 for Q6_K in a Q4_K_M), K-quant-able sizes.
+MOE_OVERRIDES = STRAIGHT | dict(num_hidden_layers=9, num_experts=16, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def converted_moe(tmp_path_factory) -> tuple[Path, Path]:
+    """(the MOE_OVERRIDES qwen3-moe-tiny checkpoint in bfloat16, its bf16 GGUF file by llama.cpp's converter): one
+    conversion (~10 s) for the tests that load it and quantise it."""
+    from mini_infer.factory import make_model
+
+    root = tmp_path_factory.mktemp("converted-moe")
+    source = make_model("qwen3-moe-tiny", root / "hf", seed=1, dtype="bfloat16", overrides=MOE_OVERRIDES)
+    return source, _convert(source, "bf16", root / "bf16.gguf")
+
+
+def _quantize(path: Path, file_type: str, out: Path) -> Path:
+    subprocess.run([str(_quantize_tool()), str(path), str(out), file_type], check=True, capture_output=True)
+    return out
+
+
 @pytest.mark.skipif(_quantize_tool() is None, reason="the llama.cpp peer's converter and llama-quantize are not set "
                                                      "up here")
-def test_a_file_written_straight_has_the_types_llama_quantize_gives(tmp_path):
+@native
+def test_a_mixture_converted_and_quantised_by_llama_cpp_loads(converted_moe, tmp_path):
+    """qwen3moe's merged expert tensors as llama.cpp writes them: its bf16 file gives the checkpoint's logprobs, and
+    its llama-quantize Q8_0 of that file loads with the same vocabulary."""
+    source, bf16 = converted_moe
+    _assert_loads_as(bf16, source, same_logits=True)
+    _assert_loads_as(_quantize(bf16, "Q8_0", tmp_path / "q8_0.gguf"), source, same_logits=False)
+
+
+@pytest.mark.skipif(_quantize_tool() is None, reason="the llama.cpp peer's converter and llama-quantize are not set "
+                                                     "up here")
+def test_a_file_written_straight_has_the_types_llama_quantize_gives(converted_moe, tmp_path):
     """Each tensor of make-model's Q4_K_M file has the type llama-quantize gives it in a Q4_K_M of the same preset
-    (converted to bf16 by llama.cpp's converter first): 16 experts, an untied head, 9 layers (use_more_bits picks
-    layers 0, 3, 6, 7 and 8). (The 8-expert case's Q8_0 / Q5_K attention was compared so once, on 16 layers, not here: a
-    second conversion costs another 30 s.)"""
-    from mini_infer.factory import make_model
+    (converted to bf16 by llama.cpp's converter first). (The 8-expert case's Q8_0 / Q5_K attention was compared so
+    once, on 16 layers, not here: a second conversion costs another 10-30 s.)"""
     from mini_infer.factory.gguf_writer import make_gguf
 
-    overrides = dict(num_hidden_layers=9, num_experts=16, tie_word_embeddings=False)
-    source = make_model("qwen3-moe-tiny", tmp_path / "hf", overrides=STRAIGHT | overrides)
-    script = _converter()
-    subprocess.run([sys.executable, str(script), str(source), "--outtype", "bf16", "--outfile",
-                    str(tmp_path / "bf16.gguf")], check=True, capture_output=True,
-                   env={"PYTHONPATH": str(script.parents[3] / "converter-deps"), "PATH": "/usr/bin:/bin"})
-    subprocess.run([str(_quantize_tool()), str(tmp_path / "bf16.gguf"), str(tmp_path / "theirs.gguf"), "Q4_K_M"],
-                   check=True, capture_output=True)
-    ours = make_gguf("qwen3-moe-tiny", tmp_path / "ours.gguf", "q4_k_m", overrides=STRAIGHT | overrides)
-    theirs = {t.name: (t.tensor_type.name, list(t.shape)) for t in GGUFHeader(tmp_path / "theirs.gguf").tensors}
-    assert {t.name: (t.tensor_type.name, list(t.shape)) for t in GGUFHeader(ours).tensors} == theirs
-    assert {kind for kind, _ in theirs.values()} >= {"Q4_K", "Q6_K"}
+    theirs = _quantize(converted_moe[1], "Q4_K_M", tmp_path / "theirs.gguf")
+    ours = make_gguf("qwen3-moe-tiny", tmp_path / "ours.gguf", "q4_k_m", overrides=MOE_OVERRIDES)
+    types = {t.name: (t.tensor_type.name, list(t.shape)) for t in GGUFHeader(theirs).tensors}
+    assert {t.name: (t.tensor_type.name, list(t.shape)) for t in GGUFHeader(ours).tensors} == types
+    assert {kind for kind, _ in types.values()} >= {"Q4_K", "Q6_K"}
 
 
 def test_the_bench_runs_a_gguf_file_as_it_is(tmp_path):
