@@ -489,14 +489,15 @@ def _two_shm_ranks(target) -> tuple[str, list]:
         port = s.getsockname()[1]
     context = mp.get_context("spawn")
     results = context.Queue()
-    processes = [context.Process(target=target, args=(r, port, results)) for r in range(2)]
-    for p in processes:
+    ranks = [context.Process(target=target, args=(r, port, results)) for r in range(2)]
+    for p in ranks:
         p.start()
     try:
-        return results.get(timeout=60), processes
+        return results.get(timeout=60), ranks
     finally:
-        for p in processes:
-            p.join(3)  # the reporting rank returns at once; a stopped one never does
+        stopped = {pid for pid, state, *_ in processes() if state == "T"}
+        for p in ranks:
+            p.join(0 if p.pid in stopped else 3)  # the reporting rank returns at once; a stopped one never does
             if p.is_alive():
                 p.kill()
                 p.join(10)
