@@ -161,23 +161,33 @@ def test_killed_worker_stops_the_engine_at_once_and_leaves_no_process(tiny_model
         llm.generate([[1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)
 
 
-@pytest.mark.parametrize("sizes, num_processes", [
-    (dict(data_parallel_size=2), 2),  # two replicas (the second is the victim)
-    (dict(data_parallel_size=2, pipeline_parallel_size=2), 4),  # two replicas and their rank 1s (one a victim)
+@pytest.mark.parametrize("sizes, num_processes, max_tokens", [
+    (dict(data_parallel_size=2), 2, 900),  # two replicas (the second is the victim)
+    # two replicas and their rank 1s (one a victim); a pipeline's step is slower: ~400 tokens take what 900 take above
+    (dict(data_parallel_size=2, pipeline_parallel_size=2), 4, 400),
 ])
-def test_killed_replica_or_its_rank_leaves_the_other_serving_a_whole_batch(tiny_model_dir, sizes, num_processes):
+def test_killed_replica_or_its_rank_leaves_the_other_serving_a_whole_batch(tiny_model_dir, monkeypatch, sizes,
+                                                                           num_processes, max_tokens):
     """The victim's requests had returned nothing (LLM.generate's return when they finish): they are sent again to
     the other replica and the batch completes; without restarts the victim's processes are gone, then all are."""
+    resent, settle = [], DataParallelEngine._settle
+
+    def counted(self, index, process):
+        before = len(self._waiting)
+        settle(self, index, process)
+        resent.append(len(self._waiting) - before)
+    monkeypatch.setattr(DataParallelEngine, "_settle", counted)
     llm = LLM(str(tiny_model_dir), dtype="float32", max_replica_restarts=0, **sizes)
     children = descendants(os.getpid())
     assert len(children) == num_processes
     victim = children[-1]
     timer = threading.Timer(1.0, os.kill, (victim, signal.SIGKILL))
     timer.start()
-    outputs = llm.generate([[1, 2, 3]] * 4, SamplingParams(temperature=0, max_tokens=900, ignore_eos=True),
+    outputs = llm.generate([[1, 2, 3]] * 4, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
                            use_tqdm=False)
     timer.join()
-    assert [(o.outputs[0].finish_reason, len(o.outputs[0].token_ids)) for o in outputs] == [("length", 900)] * 4
+    assert resent == [2]  # the kill landed mid-generation: both of the victim's requests were sent again
+    assert [(o.outputs[0].finish_reason, len(o.outputs[0].token_ids)) for o in outputs] == [("length", max_tokens)] * 4
     health = sorted(llm.engine.replica_health(), key=lambda h: h.state)
     assert [h.state for h in health] == ["gone", "live"] and "not restarted" in health[0].detail
     assert len(descendants(os.getpid())) == num_processes // 2
