@@ -9,7 +9,7 @@ import torch
 from mini_infer import LLM, SamplingParams
 from mini_infer.kernels import fused
 from mini_infer.model.attention import write_kv
-from mini_infer.model.layers import RMSNorm, RotaryEmbedding, experts_sum, silu_and_mul
+from mini_infer.model.layers import RMSNorm, RotaryEmbedding, experts_sum, route_experts, silu_and_mul
 
 # Only a CPU without AVX2 skips: anywhere else a kernel that fails to build must fail these tests.
 pytestmark = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
@@ -162,6 +162,44 @@ def test_rms_norm_heads_in_place_equals_the_norm_of_each_head_as_a_row(dtype, to
     assert torch.equal(qkv, expected)
     with pytest.raises(ValueError, match="rms_norm_heads: qkv"):
         fused.rms_norm_heads(qkv[:, 1:], q_norm.weight, k_norm.weight, heads, kv_heads, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,experts,top_k,norm", [(1, 128, 8, True), (3, 16, 2, False), (40, 64, 4, True),
+                                                       (600, 8, 8, True)])
+def test_routing_equals_softmax_top_k_and_a_stable_sort(dtype, tokens, experts, top_k, norm):
+    """A mixture's routing in one native pass (model/moe.py): the same experts, grouped in the same order, as the
+    float32 softmax, top-k and stable sort of layers.route_experts; the weights as close as the two exp
+    implementations allow (1e-6 relative in float32, the same bfloat16 or its neighbour). Each row's scores are
+    distinct multiples of 1/16 (exact in bfloat16): torch's top-k orders equal values arbitrarily. 600 tokens x 8
+    experts runs on both threads."""
+    gen = torch.Generator().manual_seed(experts + tokens)
+    scores = torch.stack([torch.randperm(experts, generator=gen) for _ in range(tokens)]).sub(experts / 2).div(16)
+    scores = scores.to(dtype)
+    weights, order, rows, counts = fused.moe_route(scores, top_k, norm)
+    want_weights, want_order, want_rows, want_counts = route_experts(scores, top_k, norm)
+    assert (order.tolist(), rows.tolist(), counts) == (want_order.tolist(), want_rows.tolist(), want_counts)
+    assert weights.dtype == dtype and weights.shape == want_weights.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=0)
+    else:
+        steps = (weights.view(torch.int16).int() - want_weights.view(torch.int16).int()).abs()
+        assert int(steps.max()) <= 1
+    with pytest.raises(ValueError, match="moe_route: the router's scores hold NaN"):
+        fused.moe_route(torch.where(scores == scores.max(), float("nan"), scores), top_k, norm)
+    with pytest.raises(ValueError, match=f"top_k {experts + 1}"):
+        fused.moe_route(scores, experts + 1, norm)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_routing_takes_the_lower_expert_of_equal_scores(dtype):
+    """Equal router scores (common in bfloat16) at the top-k boundary: the lower expert index is chosen, and comes
+    first among equals."""
+    scores = torch.tensor([[0.5, 2.0, 1.0, 2.0, 1.0, -1.0], [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]], dtype=dtype)
+    weights, order, rows, counts = fused.moe_route(scores, 3, True)
+    assert counts == [1, 2, 2, 1, 0, 0]  # token 0: experts 1, 3, 2 (pairs 0-2); token 1: experts 0, 1, 2 (pairs 3-5)
+    assert order.tolist() == [3, 0, 4, 2, 5, 1] and rows.tolist() == [1, 0, 1, 0, 1, 0]
+    assert weights[0] == weights[1] > weights[2] and torch.all(weights[3:] == weights[3])
 
 
 def test_experts_sum_refuses_an_order_outside_the_routing():

@@ -105,9 +105,9 @@ def test_each_expert_runs_once_a_step_on_all_its_tokens(moe, monkeypatch, dtype,
     route = SparseMoeBlock.route
 
     def counting_route(self, x):
-        experts, weights = route(self, x)
+        experts = self.linear(x, self.gate).topk(self.top_k, dim=-1).indices  # the softmax keeps the order
         picked.update((id(self), e) for e in experts.flatten().tolist())
-        return experts, weights
+        return route(self, x)
 
     monkeypatch.setattr(SparseMoeBlock, "route", counting_route)
     blocks = [layer.mlp for layer in engine.runner.model.layers if isinstance(layer.mlp, SparseMoeBlock)]

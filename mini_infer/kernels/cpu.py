@@ -92,6 +92,7 @@ _KERNELS = {
     "mask_rows": _Kernel("cpu_fused.cpp", "mask_rows", [_P, ctypes.c_int64, _I, _P, _I, _P, _I, _I], None, _FUSED,
                          ("avx2", "fma")),
     "moe_combine": _Kernel("cpu_fused.cpp", "moe_combine", [_P, _P, _P, _P] + [_I] * 6, _I, _FUSED, ("avx2", "fma")),
+    "moe_route": _Kernel("cpu_fused.cpp", "moe_route", [_P] + [_I] * 5 + [_P] * 4 + [_I], _I, _FUSED, ("avx2", "fma")),
     # kernels/decoder.py: a decode step's layers in one call, through the kernels above (their addresses passed in).
     "decode_layers": _Kernel("cpu_decoder.cpp", "decode_layers", [_P, _P, _I] + [_P] * 7 + [_I] * 3, _I, _BASE_FLAGS,
                              ()),
@@ -127,7 +128,7 @@ for _suffix, (_flags, _needs, _enable) in _QUANT_BUILDS.items():
 # does it where they do not; Ops' note says which are missing).
 REQUIRED = ("gemm", "paged_decode_attention", "paged_prefill_attention", "add_rms_norm", "silu_mul", "rope_kv_write")
 OPTIONAL = ("argmax_rows", "top_k_rows", "mask_rows", "decode_layers", "shm_allreduce", "paged_decode_attention_bf16",
-            "paged_prefill_attention_bf16", "moe_combine", "rms_norm_heads")
+            "paged_prefill_attention_bf16", "moe_combine", "moe_route", "rms_norm_heads")
 
 
 @dataclass(frozen=True, slots=True)

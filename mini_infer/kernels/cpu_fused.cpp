@@ -246,6 +246,66 @@ extern "C" int moe_combine(const void* y, const void* weights, const int64_t* or
     return 0;
 }
 
+// A mixture's routing of T tokens: scores [T, E] (the router's output) -> each token's k experts of the highest
+// probability (the softmax in float32; of equal scores the lower index first), in falling order, with their weights
+// (the probabilities, over their sum where `norm`) rounded to the dtype: weights [T k], entry t k + j the token's
+// j-th. The (token, expert) pairs grouped by expert: order [T k] lists the pair indices t k + j expert by expert,
+// in token order within each, rows [T k] the token of each, counts [E] each expert's pairs. What
+// `softmax(float32).topk(k)` (renormalised), `.to(dtype)` and a stable sort of the chosen experts give, up to the
+// rounding of exp. Returns 0, or 1 (order, rows and counts unwritten) where a score is NaN.
+extern "C" int moe_route(const void* scores, int dtype, int T, int E, int k, int norm, void* weights, int64_t* order,
+                         int64_t* rows, int64_t* counts, int threads) {
+    std::vector<int32_t> experts(static_cast<size_t>(T) * k);
+    int failed = 0;
+#pragma omp parallel for num_threads(threads) if (static_cast<int64_t>(T) * E >= kParallelElements) \
+    reduction(| : failed)
+    for (int t = 0; t < T; ++t) {
+        const int64_t row = static_cast<int64_t>(t) * E;
+        float top = -INFINITY;
+        for (int e = 0; e < E; ++e) {
+            const float v = load(scores, dtype, row + e);
+            failed |= v != v;
+            top = std::max(top, v);
+        }
+        float sum = 0.0f;
+        for (int e = 0; e < E; ++e) sum += expf(load(scores, dtype, row + e) - top);
+        int32_t* chosen = experts.data() + static_cast<int64_t>(t) * k;
+        std::vector<float> kept(k);
+        int n = 0;
+        for (int e = 0; e < E; ++e) {  // insertion into the k best so far, falling; an equal score stays behind
+            const float v = load(scores, dtype, row + e);
+            if (n == k && !(v > kept[k - 1])) continue;
+            int at = n < k ? n++ : k - 1;
+            for (; at > 0 && v > kept[at - 1]; --at) {
+                kept[at] = kept[at - 1];
+                chosen[at] = chosen[at - 1];
+            }
+            kept[at] = v;
+            chosen[at] = e;
+        }
+        float total = 0.0f;
+        for (int j = 0; j < k; ++j) {
+            kept[j] = expf(kept[j] - top) / sum;
+            total += kept[j];
+        }
+        for (int j = 0; j < k; ++j)
+            store(weights, dtype, static_cast<int64_t>(t) * k + j, norm ? kept[j] / total : kept[j]);
+    }
+    if (failed) return 1;
+    std::vector<int64_t> next(E + 1, 0);
+    for (int32_t e : experts) ++next[e + 1];
+    for (int e = 0; e < E; ++e) {
+        counts[e] = next[e + 1];
+        next[e + 1] += next[e];
+    }
+    for (int64_t p = 0; p < static_cast<int64_t>(T) * k; ++p) {
+        const int64_t at = next[experts[p]]++;
+        order[at] = p;
+        rows[at] = p / k;
+    }
+    return 0;
+}
+
 // qkv [T, (H + 2 KVH) D] -> q_out [T, H, D] with RoPE (rotate-half) at positions[t]; k (rotated) and v land in
 // k_cache / v_cache [num_blocks, block_size, KVH, D] at slot_mapping[t]. cos, sin: [max_positions, D].
 // Returns 0, or 1 without writing anything where a slot is outside [0, num_slots) or a position outside

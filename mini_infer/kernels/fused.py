@@ -109,6 +109,24 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, top
     return out
 
 
+def moe_route(scores: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                      list[int]]:
+    """layers.route_experts in one pass over the router's scores [T, E] (bfloat16/float32): (weights [T top_k],
+    order [T top_k], rows [T top_k], each expert's pair count)."""
+    if scores.dim() != 2 or scores.dtype not in cpu.DTYPES or not 0 < top_k <= scores.shape[1]:
+        raise ValueError(f"moe_route: scores {tuple(scores.shape)} {scores.dtype}, top_k {top_k}")
+    scores = scores.contiguous()
+    (tokens, experts), pairs = scores.shape, scores.shape[0] * top_k
+    weights = torch.empty(pairs, dtype=scores.dtype)
+    order, rows, counts = torch.empty(pairs, dtype=torch.int64), torch.empty(pairs, dtype=torch.int64), \
+        torch.empty(experts, dtype=torch.int64)
+    if cpu.native_function("moe_route")(scores.data_ptr(), cpu.DTYPE_CODES[scores.dtype], tokens, experts, top_k,
+                                        int(norm), weights.data_ptr(), order.data_ptr(), rows.data_ptr(),
+                                        counts.data_ptr(), torch.get_num_threads()):
+        raise ValueError("moe_route: the router's scores hold NaN")
+    return weights, order, rows, counts.tolist()
+
+
 def rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                   num_heads: int) -> torch.Tensor:

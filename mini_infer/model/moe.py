@@ -11,7 +11,6 @@ every rank and one all-reduce sums the ranks' partial outputs.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 from itertools import accumulate
 
@@ -30,16 +29,18 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 
 class SparseMoeBlock(nn.Module):
     def __init__(self, moe: MoeConfig, hidden_size: int, intermediate_size: int, shared_intermediate_size: int,
-                 linear: Callable, reduce: Callable, activation: Callable, combine: Callable,
+                 linear: Callable, reduce: Callable, activation: Callable, route: Callable, combine: Callable,
                  grouped_linear: Callable | None = None, *, dtype: torch.dtype, device) -> None:
         """intermediate_size / shared_intermediate_size: this rank's slice of each expert's / the shared expert's;
+        route(scores, top_k, norm): the router's scores to (weights, order, rows, counts) (Ops.route_experts);
         combine(y, weights, order, top_k, num_tokens): the experts' rows weighted and summed per token
         (Ops.experts_sum); grouped_linear(x, weights, offsets): several experts' matmuls in one call, or None where it
         cannot (Ops.grouped_linear); the experts then run one by one through `linear`."""
         super().__init__()
         factory = dict(dtype=dtype, device=device)
         self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
-        self.linear, self.reduce, self.activation, self.combine = linear, reduce, activation, combine
+        self.linear, self.reduce, self.activation = linear, reduce, activation
+        self.router, self.combine = route, combine
         self.grouped_linear = grouped_linear
         # The router, kept in the model's dtype (never quantised); a linear weight like the others otherwise (the
         # engine's matmul: at one token on an AMX Xeon, torch's bf16 matmul of it took ~80 us more right after a
@@ -54,15 +55,11 @@ class SparseMoeBlock(nn.Module):
                                            **factory)
             self.shared_expert_gate = empty_parameter(1, hidden_size, **factory)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> (each token's top_k experts [T, k], their weights [T, k] in x's dtype): the router's
-        softmax in float32 whatever the model's dtype, renormalised over the top_k where the config says so, as
-        the reference computes it."""
-        probs = self.linear(x, self.gate).softmax(dim=-1, dtype=torch.float32)
-        weights, experts = probs.topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return experts, weights.to(x.dtype)
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        """x [T, hidden] -> (weights [T top_k], order, rows, counts) of layers.route_experts: the router's softmax in
+        float32 whatever the model's dtype, renormalised over the top_k where the config says so, as the reference
+        computes it, and the (token, expert) pairs grouped by expert."""
+        return self.router(self.linear(x, self.gate), self.top_k, self.norm_topk_prob)
 
     def _each(self, x: torch.Tensor, weights: list, offsets: list[int]) -> torch.Tensor:
         """Rows offsets[j] .. offsets[j + 1] of x by weights[j]: in one call where grouped_linear can, else one
@@ -74,23 +71,16 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with profiled("moe_routing"):
-            experts, weights = self.route(x)
-            # The (token, expert) pairs grouped by expert, in token order within each group: a stable sort of the
-            # flattened [T, k] choices, read to the host once a layer. Sorted in Python: a decode step's few pairs
-            # took ~0.2 ms a layer through argsort and unique_consecutive right after the experts' matmuls had
-            # streamed their weights through the caches (the Qwen3-30B-A3B shape at one token on an AMX Xeon).
-            flat = experts.flatten().tolist()
-            counts = Counter(flat)
-            ids = sorted(counts)
+            weights, order, rows, counts = self.route(x)
+            ids = [expert for expert, count in enumerate(counts) if count]
             hit = [self.experts[e] for e in ids]
             offsets = [0, *accumulate(counts[e] for e in ids)]
-            order = torch.tensor(sorted(range(len(flat)), key=flat.__getitem__), device=x.device)
         with profiled("experts"):
             # Each expert with tokens once, on all of its rows, in expert index order; every token's outputs summed
             # in that order (transformers' index_add_ order).
-            gate_up = self._each(x[order // self.top_k], [mlp.gate_up_proj for mlp in hit], offsets)
+            gate_up = self._each(x[rows], [mlp.gate_up_proj for mlp in hit], offsets)
             y = self._each(self.activation(gate_up), [mlp.down_proj for mlp in hit], offsets)
-            out = self.combine(y, weights.flatten(), order, self.top_k, x.shape[0])
+            out = self.combine(y, weights, order, self.top_k, x.shape[0])
         if self.shared_expert is not None:
             out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
         return self.reduce(out)

@@ -24,7 +24,7 @@ from mini_infer.config import CPU_KERNEL_MODES, QUANTIZATION_METHODS, EngineConf
 from mini_infer.kernels import cpu, fused, quant
 from mini_infer.kernels.autotune import BUCKETS, LinearTuner, bucket_index, machine_key, timed_ms
 from mini_infer.model.attention import AttentionMetadata, paged_attention, write_kv
-from mini_infer.model.layers import RMSNorm, RotaryEmbedding, experts_sum, silu_and_mul
+from mini_infer.model.layers import RMSNorm, RotaryEmbedding, experts_sum, route_experts, silu_and_mul
 from mini_infer.profiling import profiled
 
 if TYPE_CHECKING:
@@ -147,6 +147,14 @@ class Ops:
         if self.runs("moe_combine") and y.dtype in cpu.DTYPES:
             return fused.moe_combine(y, weights, order, top_k, num_tokens)
         return experts_sum(y, weights, order, top_k, num_tokens)
+
+    def route_experts(self, scores: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                   torch.Tensor, list[int]]:
+        """A mixture's routing and grouping (layers.route_experts), in one native pass for bfloat16/float32 where
+        the kernel runs."""
+        if self.runs("moe_route") and scores.dtype in cpu.DTYPES:
+            return fused.moe_route(scores, top_k, norm)
+        return route_experts(scores, top_k, norm)
 
     def runs(self, kernel: str) -> bool:
         """Whether the optional native kernel `kernel` (cpu.OPTIONAL) does its job here."""

@@ -68,7 +68,8 @@ class Qwen2DecoderLayer(nn.Module):
             sizes = (moe.intermediate_size, moe.shared_expert_intermediate_size)
             experts, shared = (size // shard.tp_size for size in sizes)
             self.mlp = SparseMoeBlock(moe, config.hidden_size, experts, shared, ops.linear, comm.all_reduce,
-                                      ops.silu_and_mul, ops.experts_sum, ops.grouped_linear, **factory)
+                                      ops.silu_and_mul, ops.route_experts, ops.experts_sum, ops.grouped_linear,
+                                      **factory)
         else:
             self.mlp = SwiGLUMLP(config.hidden_size, shard.intermediate_size, ops.linear, comm.all_reduce,
                                  ops.silu_and_mul, **factory)

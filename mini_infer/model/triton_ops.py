@@ -17,7 +17,7 @@ from torch import nn
 from mini_infer.kernels.triton import attention as triton_attention
 from mini_infer.kernels.triton import fused as triton_fused
 from mini_infer.model.attention import AttentionMetadata
-from mini_infer.model.layers import RMSNorm, RotaryEmbedding, experts_sum
+from mini_infer.model.layers import RMSNorm, RotaryEmbedding, experts_sum, route_experts
 
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Where the kernels run in Triton's interpreter (the CPU, in tests): a nominal multiprocessor count, small enough
@@ -81,6 +81,10 @@ class TritonOps:
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return triton_fused.silu_mul(gate_up)
+
+    def route_experts(self, scores: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                   torch.Tensor, list[int]]:
+        return route_experts(scores, top_k, norm)
 
     def experts_sum(self, y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, top_k: int,
                     num_tokens: int) -> torch.Tensor:
