@@ -17,14 +17,16 @@ from mini_infer.paths import cache_dir
 # What mini-infer writes once (autotune tables, the tokenizer, the default model) goes to a cache of this test run's
 # own, so that no result depends on what a developer's cache holds. Lent from the user's cache instead: the peers'
 # set-ups (llama.cpp, vLLM's CPU build: minutes each) and the real clients' installs (the Codex CLI, the Agents SDK),
-# all outside the project's code, and the compiled kernels, each named by a hash of its source, headers, flags and
-# compiler (kernels/build.py), so that a library is only ever the build of the code it is tested as; the clients'
-# installs and the kernels are kept there for the next run (the kernels take ~45 s to build on two cores).
+# all outside the project's code; the compiled kernels, each named by a hash of its source, headers, flags and
+# compiler (kernels/build.py), so that a library is only ever the build of the code it is tested as; and the
+# converted Qwen tokenizer, named by a hash of the vocabulary and the builder's version (factory/tokenizer.py;
+# tests/test_factory.py converts it afresh in a cache of its own). The clients' installs, the kernels and the
+# tokenizer are kept there for the next run (the kernels take ~45 s to build on two cores, the tokenizer ~6 s).
 _USER_PEERS = cache_dir() / "peers"
 TEST_CACHE = Path(tempfile.mkdtemp(prefix="mini-infer-test-cache-"))
 if _USER_PEERS.is_dir():
     (TEST_CACHE / "peers").symlink_to(_USER_PEERS)
-for _kept in ("clients", "kernels"):
+for _kept in ("clients", "kernels", "tokenizers"):
     (cache_dir() / _kept).mkdir(parents=True, exist_ok=True)
     (TEST_CACHE / _kept).symlink_to(cache_dir() / _kept)
 os.environ["MINI_INFER_CACHE"] = str(TEST_CACHE)

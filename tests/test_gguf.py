@@ -467,13 +467,19 @@ def _converter() -> Path | None:
     return script if script.is_file() else None
 
 
-def _convert(source: Path, outtype: str, out: Path) -> Path:
-    """`source` as a GGUF file written by llama.cpp's own converter (convert_hf_to_gguf.py --outtype `outtype`)."""
+def _convert_side_by_side(jobs: dict[str, tuple[Path, Path]]) -> None:
+    """Each name's checkpoint (source, out) as a bf16 GGUF file written by llama.cpp's own converter
+    (convert_hf_to_gguf.py), the conversions at once (each a single-threaded Python process of ~10 s)."""
     script = _converter()
-    subprocess.run([sys.executable, str(script), str(source), "--outtype", outtype, "--outfile", str(out)],
-                   check=True, capture_output=True,
-                   env={"PYTHONPATH": str(script.parents[3] / "converter-deps"), "PATH": "/usr/bin:/bin"})
-    return out
+    env = {"PYTHONPATH": str(script.parents[3] / "converter-deps"), "PATH": "/usr/bin:/bin"}
+    running = {}
+    for name, (source, out) in jobs.items():  # its log to a file beside the output: a full pipe would stall it
+        with open(out.with_suffix(".log"), "w") as log:
+            running[name] = subprocess.Popen([sys.executable, str(script), str(source), "--outtype", "bf16",
+                                              "--outfile", str(out)], stdout=log, stderr=subprocess.STDOUT, env=env)
+    failed = {name: jobs[name][1].with_suffix(".log").read_text()[-2000:] for name, process in running.items()
+              if process.wait() != 0}
+    assert not failed, failed
 
 
 def _assert_loads_as(path: Path, source: Path, same_logits: bool) -> None:
@@ -486,14 +492,6 @@ def _assert_loads_as(path: Path, source: Path, same_logits: bool) -> None:
     assert ours.get_tokenizer().encode(text) == theirs.get_tokenizer().encode(text)
     if same_logits:
         assert _prompt_logprobs(ours) == _prompt_logprobs(theirs)
-
-
-@pytest.mark.skipif(_converter() is None, reason="the llama.cpp peer (its convert_hf_to_gguf.py) is not set up here")
-def test_llama_cpps_own_converter_writes_files_that_load(tmp_path):
-    from mini_infer.factory import make_model
-
-    source = make_model("tiny", tmp_path / "hf", seed=1, dtype="bfloat16")
-    _assert_loads_as(_convert(source, "bf16", tmp_path / "model.gguf"), source, same_logits=True)
 
 
 def _quantize_tool() -> Path | None:
@@ -509,14 +507,23 @@ MOE_OVERRIDES = STRAIGHT | dict(num_hidden_layers=9, num_experts=16, tie_word_em
 
 
 @pytest.fixture(scope="module")
-def converted_moe(tmp_path_factory) -> tuple[Path, Path]:
-    """(the MOE_OVERRIDES qwen3-moe-tiny checkpoint in bfloat16, its bf16 GGUF file by llama.cpp's converter): one
-    conversion (~10 s) for the tests that load it and quantise it."""
+def converted(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """"tiny" (the dense preset) and "moe" (the MOE_OVERRIDES qwen3-moe-tiny) -> (the checkpoint in bfloat16, its bf16
+    GGUF file by llama.cpp's converter), converted side by side once for the tests that load and quantise them."""
     from mini_infer.factory import make_model
 
-    root = tmp_path_factory.mktemp("converted-moe")
-    source = make_model("qwen3-moe-tiny", root / "hf", seed=1, dtype="bfloat16", overrides=MOE_OVERRIDES)
-    return source, _convert(source, "bf16", root / "bf16.gguf")
+    root = tmp_path_factory.mktemp("converted")
+    sources = {"tiny": make_model("tiny", root / "tiny", seed=1, dtype="bfloat16"),
+               "moe": make_model("qwen3-moe-tiny", root / "moe", seed=1, dtype="bfloat16", overrides=MOE_OVERRIDES)}
+    jobs = {name: (source, root / f"{name}.gguf") for name, source in sources.items()}
+    _convert_side_by_side(jobs)
+    return jobs
+
+
+@pytest.mark.skipif(_converter() is None, reason="the llama.cpp peer (its convert_hf_to_gguf.py) is not set up here")
+def test_llama_cpps_own_converter_writes_files_that_load(converted):
+    source, path = converted["tiny"]
+    _assert_loads_as(path, source, same_logits=True)
 
 
 def _quantize(path: Path, file_type: str, out: Path) -> Path:
@@ -527,23 +534,23 @@ def _quantize(path: Path, file_type: str, out: Path) -> Path:
 @pytest.mark.skipif(_quantize_tool() is None, reason="the llama.cpp peer's converter and llama-quantize are not set "
                                                      "up here")
 @native
-def test_a_mixture_converted_and_quantised_by_llama_cpp_loads(converted_moe, tmp_path):
+def test_a_mixture_converted_and_quantised_by_llama_cpp_loads(converted, tmp_path):
     """qwen3moe's merged expert tensors as llama.cpp writes them: its bf16 file gives the checkpoint's logprobs, and
     its llama-quantize Q8_0 of that file loads with the same vocabulary."""
-    source, bf16 = converted_moe
+    source, bf16 = converted["moe"]
     _assert_loads_as(bf16, source, same_logits=True)
     _assert_loads_as(_quantize(bf16, "Q8_0", tmp_path / "q8_0.gguf"), source, same_logits=False)
 
 
 @pytest.mark.skipif(_quantize_tool() is None, reason="the llama.cpp peer's converter and llama-quantize are not set "
                                                      "up here")
-def test_a_file_written_straight_has_the_types_llama_quantize_gives(converted_moe, tmp_path):
+def test_a_file_written_straight_has_the_types_llama_quantize_gives(converted, tmp_path):
     """Each tensor of make-model's Q4_K_M file has the type llama-quantize gives it in a Q4_K_M of the same preset
     (converted to bf16 by llama.cpp's converter first). (The 8-expert case's Q8_0 / Q5_K attention was compared so
     once, on 16 layers, not here: a second conversion costs another 10-30 s.)"""
     from mini_infer.factory.gguf_writer import make_gguf
 
-    theirs = _quantize(converted_moe[1], "Q4_K_M", tmp_path / "theirs.gguf")
+    theirs = _quantize(converted["moe"][1], "Q4_K_M", tmp_path / "theirs.gguf")
     ours = make_gguf("qwen3-moe-tiny", tmp_path / "ours.gguf", "q4_k_m", overrides=MOE_OVERRIDES)
     types = {t.name: (t.tensor_type.name, list(t.shape)) for t in GGUFHeader(theirs).tensors}
     assert {t.name: (t.tensor_type.name, list(t.shape)) for t in GGUFHeader(ours).tensors} == types

@@ -225,12 +225,14 @@ def cached_tokenizer_json(family: str = "qwen2.5") -> Path:
         _atomic_write_text(path, _build_tokenizer_json(vocab_path))
     if family == "qwen2.5":
         return path
+    more = _FAMILIES[family][0][len(ADDED_TOKENS):]
+    digest.update("\0".join(more).encode())  # the family's own tokens name its file too
     derived = path.with_name(f"{family}-{digest.hexdigest()[:16]}.json")
     if not derived.is_file():
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_file(str(path))
-        tokenizer.add_tokens(_FAMILIES[family][0][len(ADDED_TOKENS):])
+        tokenizer.add_tokens(more)
         _atomic_write_text(derived, tokenizer.to_str(pretty=True))
     return derived
 
