@@ -271,11 +271,10 @@ def tokenizer_config(family: str = "qwen2.5") -> dict:
 def write_tokenizer(out_dir: str | os.PathLike, family: str = "qwen2.5") -> None:
     """Write tokenizer.json and tokenizer_config.json for the Qwen2.5 tokenizer (family "qwen2.5") or Qwen3's (the
     same vocabulary, four more added tokens and the thinking chat template) into out_dir."""
-    if family not in _FAMILIES:
-        raise ValueError(f"tokenizer family must be one of {sorted(_FAMILIES)}, got {family!r}")
+    source = cached_tokenizer_json(family)  # (which refuses an unknown family)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "tokenizer.json").write_bytes(cached_tokenizer_json(family).read_bytes())
+    (out_dir / "tokenizer.json").write_bytes(source.read_bytes())
     _write_tokenizer_config(out_dir, family)
 
 

@@ -116,10 +116,10 @@ def moe_route(scores: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tenso
     if scores.dim() != 2 or scores.dtype not in cpu.DTYPES or not 0 < top_k <= scores.shape[1]:
         raise ValueError(f"moe_route: scores {tuple(scores.shape)} {scores.dtype}, top_k {top_k}")
     scores = scores.contiguous()
-    (tokens, experts), pairs = scores.shape, scores.shape[0] * top_k
-    weights = torch.empty(pairs, dtype=scores.dtype)
-    order, rows, counts = torch.empty(pairs, dtype=torch.int64), torch.empty(pairs, dtype=torch.int64), \
-        torch.empty(experts, dtype=torch.int64)
+    tokens, experts = scores.shape
+    weights = torch.empty(tokens * top_k, dtype=scores.dtype)
+    order, rows = (torch.empty(tokens * top_k, dtype=torch.int64) for _ in range(2))
+    counts = torch.empty(experts, dtype=torch.int64)
     if cpu.native_function("moe_route")(scores.data_ptr(), cpu.DTYPE_CODES[scores.dtype], tokens, experts, top_k,
                                         int(norm), weights.data_ptr(), order.data_ptr(), rows.data_ptr(),
                                         counts.data_ptr(), torch.get_num_threads()):
