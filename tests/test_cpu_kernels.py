@@ -127,6 +127,62 @@ def test_rejects_weights_it_cannot_read():
         cpu.linear(torch.randn(2, 5), cpu.pack_weight(torch.randn(3, 4)))
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_linear_writes_into_a_given_buffer_what_it_returns_fresh(path):
+    """`out` (the runner's reused logits buffer): the same bits as a fresh result, in the buffer's storage; a buffer
+    of another shape, dtype or layout is refused by name before the kernel writes through its pointer."""
+    dtype = torch.bfloat16 if path in BF16_ONLY else torch.float32
+    skip_unless_runs(path, dtype)
+    gen = torch.Generator().manual_seed(5)
+    dense = torch.randn(70, 33, generator=gen).to(dtype)
+    weight = cpu.pack_weight(dense, cpu.weight_layout(path, dtype))
+    x = torch.randn(9, 33, generator=gen).to(dtype)
+    buffer = torch.full((12, 70), float("nan"), dtype=dtype)
+    out = cpu.linear(x, weight, None, path, out=buffer[:9])
+    assert out.data_ptr() == buffer.data_ptr()
+    assert torch.equal(out, cpu.linear(x, weight, None, path))
+    assert buffer[9:].isnan().all()
+    for bad in (buffer[:8], buffer[:9, :69], buffer[:9].to(torch.float64), buffer[:, :9].t()):
+        with pytest.raises(ValueError, match=r"cpu linear: out .* is not a contiguous CPU \[9, 70\]"):
+            cpu.linear(x, weight, None, path, out=bad)
+
+
+def test_the_lm_head_writes_each_step_into_the_runners_one_buffer(tiny_model_dir):
+    """On the CPU the logits of every step go into one buffer the runner keeps, grown (doubling) as the batch grows:
+    a fresh [rows, vocab] tensor past glibc's mmap threshold is mapped, faulted in and unmapped every step. The
+    tokens are those of fresh logits."""
+    from mini_infer.engine.llm_engine import LLMEngine
+    from mini_infer.sampling_params import SamplingParams
+
+    def run(reuse: bool) -> tuple[dict[str, list[int]], list[bool], set[int]]:
+        engine = LLMEngine.from_args(str(tiny_model_dir), dtype="float32", max_num_seqs=8)
+        runner, in_buffer, capacities = engine.runner, [], set()
+        compute_logits = runner.model.compute_logits
+
+        def recorded(x, residual, rows, out=None):
+            logits = compute_logits(x, residual, rows, out if reuse else None)
+            capacities.add(runner._logits.shape[0])
+            in_buffer.append(runner._logits is not None
+                             and logits.data_ptr() == runner._logits.data_ptr())
+            return logits
+
+        runner.model.compute_logits = recorded
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        tokens = {}
+        for i in range(6):  # the batch grows by a request a step (1, 2, ... 6 rows), then drains
+            engine.add_request(str(i), [7 + i, 300 + 11 * i, 42], params)
+            tokens.update((out.request_id, out.outputs[0].token_ids) for out in engine.step())
+        while engine.has_unfinished_requests():
+            tokens.update((out.request_id, out.outputs[0].token_ids) for out in engine.step())
+        return tokens, in_buffer, capacities
+
+    reused, in_buffer, capacities = run(True)
+    fresh, not_in_buffer, _ = run(False)
+    assert reused == fresh and len(reused) == 6 and all(len(t) == 6 for t in reused.values())
+    assert all(in_buffer) and len(in_buffer) > 6 and not any(not_in_buffer)
+    assert capacities == {1, 2, 4, 8}
+
+
 def test_an_unavailable_kernel_keeps_nothing_of_its_callers_alive(monkeypatch):
     """Why a kernel cannot run is kept as a message: a kept exception's traceback held the frames that asked for the
     kernel and everything they referenced (an engine's weights and KV cache stayed in memory after its shutdown, one

@@ -171,6 +171,22 @@ def test_kernel_rows_are_independent_of_the_batch(path):
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_kernel_writes_into_a_given_buffer_what_it_returns_fresh(path):
+    """`out` (a quantised LM head writing into the runner's reused logits buffer): the same bits, in that storage;
+    a buffer of another shape is refused by name."""
+    skip_unless_runs(path)
+    gen = torch.Generator().manual_seed(4)
+    dtype = dtypes(path)[0]
+    packed = quant.pack_panels(quantized(torch.randn(70, 64, generator=gen), KERNEL_SCHEMES[0], dtype))
+    x = torch.randn(5, 64, generator=gen).to(dtype)
+    buffer = torch.empty(8, 70, dtype=dtype)
+    out = quant.quant_linear(x, packed, None, path, out=buffer[:5])
+    assert out.data_ptr() == buffer.data_ptr() and torch.equal(out, quant.quant_linear(x, packed, None, path))
+    with pytest.raises(ValueError, match=r"quantised linear: out \(4, 70\)"):
+        quant.quant_linear(x, packed, None, path, out=buffer[:4])
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("method", KERNEL_SCHEMES)
 def test_grouped_kernel_gives_each_weights_rows_as_its_own_call(path, method):
     """quant_linear_grouped (a mixture's experts in one call): each weight's rows come out bit for bit as

@@ -333,16 +333,17 @@ def matmul_kernel(x_dtype: torch.dtype, weight: PackedWeight, path: str) -> str:
 
 
 def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None,
-           path: str = "avx2") -> torch.Tensor:
+           path: str = "avx2", out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight.T + bias -> [M, N] in x's dtype (float32 or bfloat16) through a native path (its weight
-    in that path's layout); arithmetic in float32, or bf16 products summed in float32 on `avx512_bf16`."""
+    in that path's layout); arithmetic in float32, or bf16 products summed in float32 on `avx512_bf16`. Written into
+    `out` when given (output_buffer: a caller's reused [M, N] tensor)."""
     if x.dim() != 2 or x.shape[1] != weight.in_features:
         raise ValueError(f"cpu linear: x {tuple(x.shape)} does not match a {weight.layout} {weight.dtype} weight of "
                          f"{weight.out_features} x {weight.in_features}")
     kernel = matmul_kernel(x.dtype, weight, path)
     kind = GEMM_KINDS[kernel]
     x = x.contiguous()
-    out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)
+    out = output_buffer(out, x.shape[0], weight.out_features, x.dtype, "cpu linear")
     bias_args = (bias.contiguous().data_ptr(), DTYPE_CODES[bias.dtype]) if bias is not None else (None, 0)
     sizes = (x.shape[0], weight.out_features, x.shape[1])
     prefetch = () if kind in (_AVX2_KIND, _AMX_KIND) else (MATMUL_PATHS[path].prefetch,)
@@ -350,6 +351,17 @@ def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = No
     w_args = (weight.data.data_ptr(), DTYPE_CODES[weight.dtype]) if kind == _AVX2_KIND else (weight.data.data_ptr(),)
     native_function(kernel)(*x_args, *w_args, *bias_args, out.data_ptr(), DTYPE_CODES[x.dtype], *sizes, *prefetch,
                             torch.get_num_threads())
+    return out
+
+
+def output_buffer(out: torch.Tensor | None, rows: int, cols: int, dtype: torch.dtype, what: str) -> torch.Tensor:
+    """A native kernel's [rows, cols] output: `out` where the caller passes one (checked: a kernel writes through
+    its pointer), else a new tensor."""
+    if out is None:
+        return torch.empty(rows, cols, dtype=dtype)
+    if out.shape != (rows, cols) or out.dtype != dtype or not out.is_contiguous() or out.device.type != "cpu":
+        raise ValueError(f"{what}: out {tuple(out.shape)} {out.dtype} on {out.device} (contiguous: "
+                         f"{out.is_contiguous()}) is not a contiguous CPU [{rows}, {cols}] {dtype} tensor")
     return out
 
 

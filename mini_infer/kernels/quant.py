@@ -423,15 +423,16 @@ def _check_activations(x: torch.Tensor, path: str) -> None:
 
 
 def quant_linear(x: torch.Tensor, weight: QuantPanels, bias: torch.Tensor | None = None,
-                 path: str = "avx2") -> torch.Tensor:
-    """x [M, K] (float32 or bfloat16) @ the dequantised weight.T + bias -> [M, N] in x's dtype, float32 sums."""
+                 path: str = "avx2", out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (float32 or bfloat16) @ the dequantised weight.T + bias -> [M, N] in x's dtype, float32 sums (into
+    `out` when given, as cpu.linear)."""
     if x.dim() != 2 or x.shape[1] != weight.in_features or x.dtype not in cpu.DTYPE_CODES or path not in QUANT_KERNELS:
         raise ValueError(f"quantised linear: x {tuple(x.shape)} {x.dtype} on path {path!r} does not match an int"
                          f"{weight.bits} weight of {weight.out_features} x {weight.in_features}")
     _check_activations(x, path)
     kernel, prefetch = QUANT_KERNELS[path]
     x = x.contiguous()
-    out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)
+    out = cpu.output_buffer(out, x.shape[0], weight.out_features, x.dtype, "quantised linear")
     bias_args = (bias.contiguous().data_ptr(), cpu.DTYPE_CODES[bias.dtype]) if bias is not None else (None, 0)
     perm = weight.perm.data_ptr() if weight.perm is not None else None
     if cpu.native_function(kernel)(x.data_ptr(), cpu.DTYPE_CODES[x.dtype], perm, weight.data.data_ptr(),

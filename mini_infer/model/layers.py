@@ -94,6 +94,14 @@ class SwiGLUMLP(nn.Module):
         return self.reduce(self.linear(self.activation(self.linear(x, self.gate_up_proj)), self.down_proj))
 
 
+def torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear in torch's kernels, written into `out` when given (the same matmul: mm, or addmm with a bias)."""
+    if out is None:
+        return F.linear(x, weight, bias)
+    return torch.mm(x, weight.t(), out=out) if bias is None else torch.addmm(bias, x, weight.t(), out=out)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] (gate, then up) -> silu(gate) * up [T, I]."""
     gate, up = gate_up.chunk(2, dim=-1)

@@ -24,7 +24,7 @@ from mini_infer.config import CPU_KERNEL_MODES, QUANTIZATION_METHODS, EngineConf
 from mini_infer.kernels import cpu, fused, quant
 from mini_infer.kernels.autotune import BUCKETS, LinearTuner, bucket_index, machine_key, timed_ms
 from mini_infer.model.attention import AttentionMetadata, paged_attention, write_kv
-from mini_infer.model.layers import RMSNorm, RotaryEmbedding, experts_sum, route_experts, silu_and_mul
+from mini_infer.model.layers import RMSNorm, RotaryEmbedding, experts_sum, route_experts, silu_and_mul, torch_linear
 from mini_infer.profiling import profiled
 
 if TYPE_CHECKING:
@@ -83,19 +83,24 @@ class Ops:
     optional: frozenset[str] = frozenset()  # the optional native kernels that run here (cpu.OPTIONAL)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | cpu.PackedWeight | TunedWeight | tuple[TunedWeight, ...],
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight.T + bias, into `out` where given (the runner's reused logits buffer: on the CPU a fresh
+        [rows, vocab] tensor costs its page faults every step)."""
         if isinstance(weight, tuple):  # a fused weight of differently quantised parts (quant.StackedParts)
-            out = torch.cat([self.linear(x, part) for part in weight], dim=-1)
-            return out if bias is None else out + bias
+            if out is not None:
+                raise ValueError("linear: out is for a single weight, not a fused weight of quantised parts")
+            stacked = torch.cat([self.linear(x, part) for part in weight], dim=-1)
+            return stacked if bias is None else stacked + bias
         native = self.native_linear(weight, x.shape[0])
         if native is not None:
             path, packed = native
             if isinstance(packed, quant.QuantPanels):
-                return quant.quant_linear(x, packed, bias, path)
-            return cpu.linear(x, packed, bias, path)
+                return quant.quant_linear(x, packed, bias, path, out)
+            return cpu.linear(x, packed, bias, path, out)
         if isinstance(weight, TunedWeight) and "int4pack" in weight.packed:
-            return quant.torch_int4_linear(x, weight.packed["int4pack"], bias)
-        return F.linear(x, weight.dense if isinstance(weight, TunedWeight) else weight, bias)
+            result = quant.torch_int4_linear(x, weight.packed["int4pack"], bias)
+            return result if out is None else out.copy_(result)
+        return torch_linear(x, weight.dense if isinstance(weight, TunedWeight) else weight, bias, out)
 
     def native_linear(self, weight: torch.Tensor | cpu.PackedWeight | TunedWeight,
                       rows: int) -> tuple[str, cpu.PackedWeight | quant.QuantPanels] | None:

@@ -161,14 +161,15 @@ class Qwen2ForCausalLM(nn.Module):
 
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                logits_indices: torch.Tensor) -> torch.Tensor | None:
+                logits_indices: torch.Tensor, logits_out: torch.Tensor | None = None) -> torch.Tensor | None:
         """Flat batch of new tokens (their ids on the first stage, the previous stage's hidden states [T, hidden]
         on the others) -> this stage's hidden states, or on the last stage the logits of the sampled rows only:
-        [len(logits_indices), tp * vocab_shard_size] on its tensor rank 0, None on its other tensor ranks."""
+        [len(logits_indices), tp * vocab_shard_size] on its tensor rank 0, None on its other tensor ranks (the LM
+        head writes this rank's shard into `logits_out` where given: compute_logits)."""
         x, residual = self.hidden_states(inputs, positions, kv_caches, meta)
         if not self.shard.last_stage:
             return x if residual is None else x + residual
-        return self.compute_logits(x, residual, logits_indices)
+        return self.compute_logits(x, residual, logits_indices, logits_out)
 
     def hidden_states(self, inputs: torch.Tensor, positions: torch.Tensor,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -192,9 +193,10 @@ class Qwen2ForCausalLM(nn.Module):
         x, _ = self.ops.rms_norm(self.norm, x[rows], residual[rows] if residual is not None else None)
         return x
 
-    def compute_logits(self, x: torch.Tensor, residual: torch.Tensor | None,
-                       logits_indices: torch.Tensor) -> torch.Tensor | None:
-        """The last stage's logits of the rows `logits_indices` of the layers' outputs."""
+    def compute_logits(self, x: torch.Tensor, residual: torch.Tensor | None, logits_indices: torch.Tensor,
+                       out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The last stage's logits of the rows `logits_indices` of the layers' outputs (this rank's vocabulary shard
+        written into `out` [rows, vocab_shard_size] where given)."""
         with profiled("lm_head"):
             return self.comm.gather_vocab(self.ops.linear(self.final_hidden(x, residual, logits_indices),
-                                                          self.lm_head))
+                                                          self.lm_head, out=out))

@@ -11,13 +11,12 @@ import os
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mini_infer.kernels.triton import attention as triton_attention
 from mini_infer.kernels.triton import fused as triton_fused
 from mini_infer.model.attention import AttentionMetadata
-from mini_infer.model.layers import RMSNorm, RotaryEmbedding, experts_sum, route_experts
+from mini_infer.model.layers import RMSNorm, RotaryEmbedding, experts_sum, route_experts, torch_linear
 
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Where the kernels run in Triton's interpreter (the CPU, in tests): a nominal multiprocessor count, small enough
@@ -47,8 +46,9 @@ class TritonOps:
     dtype: torch.dtype = torch.bfloat16
     chosen: dict[str, list[str]] = field(default_factory=dict)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, weight, bias)
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        return torch_linear(x, weight, bias, out)
 
     def native_linear(self, weight: torch.Tensor, rows: int) -> None:
         return None

@@ -59,6 +59,13 @@ class ModelRunner:
         # Speculative decoding: rank 0 verifies drafts and proposes the next (runner/spec_decode.py)
         self.speculator = Speculator(config, num_blocks, device) \
             if self.sampler is not None and config.speculative_config is not None else None
+        # On the CPU the LM head writes into one reused buffer: a fresh [rows, vocab] tensor past glibc's mmap
+        # threshold (32 MB: 56 float32 rows of a 151,936-token vocabulary) is mapped, faulted in page by page and
+        # unmapped every step (~55 ms of a batch-256 step on a Zen 3). Up to a decode step of every sequence with
+        # its drafts; larger (prompt logprobs over long chunks) allocate as before.
+        spec = config.speculative_config
+        self._logits_rows = config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
+        self._logits: torch.Tensor | None = None
         self.graphs: DecodeGraphs | None = None
         self.graph_report: CaptureReport | None = None
         # Graphs hold the GPU backend's decode steps on one rank (across ranks they would hold the collectives too);
@@ -151,7 +158,8 @@ class ModelRunner:
         if self.embeds:  # one stage (EngineConfig): this rank's layers end with the final norm
             hidden = self.model.hidden_states(inputs, step.positions.to(**to), self.kv_caches, meta)
             return self._last_stage_output(*hidden, step) if comm.rank == 0 else None
-        out = self.model(inputs, step.positions.to(**to), self.kv_caches, meta, step.logits_indices.to(**to))
+        out = self.model(inputs, step.positions.to(**to), self.kv_caches, meta, step.logits_indices.to(**to),
+                         self._logits_buffer(len(step.logits_indices)))
         if not shard.last_stage:
             comm.send_hidden(out)
             out = None
@@ -160,6 +168,17 @@ class ModelRunner:
         elif comm.rank == 0 and comm.logits_source != 0:
             out = comm.recv_logits(len(step.logits_indices), self.config.torch_dtype, self.device)
         return out if comm.rank == 0 else None
+
+    def _logits_buffer(self, rows: int) -> torch.Tensor | None:
+        """[rows, vocab shard] of the reused logits buffer on a CPU rank with the LM head (None elsewhere, or past
+        its rows): its contents last until the next step's LM head, so nothing may keep the logits past a step."""
+        if self.device.type != "cpu" or self.model.lm_head is None or not 0 < rows <= self._logits_rows:
+            return None
+        if self._logits is None or self._logits.shape[0] < rows:
+            capacity = min(self._logits_rows, max(rows, 2 * (self._logits.shape[0] if self._logits is not None else 0)))
+            self._logits = None  # (the old buffer goes before the new one is mapped)
+            self._logits = torch.empty(capacity, self.comm.shard.vocab_shard_size, dtype=self.config.torch_dtype)
+        return self._logits[:rows]
 
     def _last_stage_output(self, x: torch.Tensor, residual: torch.Tensor | None, step: StepInputs) -> torch.Tensor:
         """From the last layer's outputs: the logits of the sampling rows, or an embedding model's final hidden states
