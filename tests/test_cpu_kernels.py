@@ -214,6 +214,8 @@ def test_an_unavailable_kernel_keeps_nothing_of_its_callers_alive(monkeypatch):
 
 
 def test_an_engine_shut_down_leaves_its_model_to_the_collector(tiny_model_dir):
+    """(The engine freezes the heap it starts with, gc.freeze: a reference cycle from those objects to its own would
+    keep it forever, and this would fail.)"""
     import gc
     import weakref
 
