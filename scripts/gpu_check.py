@@ -135,11 +135,14 @@ def summary(work: Path, stages: list[dict]) -> str:
                               f"({report['requests']['output_tokens']} output tokens)"]
     profiles = sorted(work.glob("profile-*/profile.json"))
     if profiles:
-        lines += ["", "## one decode step", "", "| run | step ms | GPU kernels / step | per layer | GPU busy ms |",
-                  "|---|---|---|---|---|"]
+        lines += ["", "## one decode step", "",
+                  "| run | step ms | host work ms (schedule / input prep / update / outputs) | GPU kernels / step | "
+                  "per layer | GPU busy ms |", "|---|---|---|---|---|---|"]
         for path in profiles:
-            result, gpu = json.loads(path.read_text()), json.loads(path.read_text()).get("gpu") or {}
-            lines.append(f"| {path.parent.name} | {result['unprofiled_step_ms']:.3f} | "
+            result = json.loads(path.read_text())
+            gpu, host = result.get("gpu") or {}, result["host_ms"]
+            parts = " / ".join(f"{host[part]:.3f}" for part in ("schedule", "input_prep", "update", "outputs"))
+            lines.append(f"| {path.parent.name} | {result['unprofiled_step_ms']:.3f} | {host['total']:.3f} ({parts}) | "
                          f"{gpu.get('kernels_per_step', 0):.0f} | {gpu.get('kernels_per_layer', 0):.1f} | "
                          f"{gpu.get('kernel_ms_per_step', 0):.3f} |")
     return "\n".join(lines) + "\n"

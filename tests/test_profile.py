@@ -32,6 +32,10 @@ def _check_breakdown(result: dict, moe: bool = False) -> None:
     assert all((rows[name]["ms"] > 0) == moe for name in sparse), rows
     assert all(rows[name]["ms"] > 0 for name in ROWS if name not in (OTHER, stacked, *by_op, *sparse)), rows
     assert 0 < result["measured_ms"] <= result["step_ms"] and result["unprofiled_step_ms"] > 0
+    host = result["host_ms"]  # timed inside the unprofiled steps, each part of each step
+    assert all(host[part] > 0 for part in ("schedule", "input_prep", "update", "outputs")), host
+    assert host["total"] == pytest.approx(sum(v for k, v in host.items() if k != "total"))
+    assert host["total"] < result["unprofiled_step_ms"]
 
 
 def test_profile_prints_every_row_and_writes_json(tiny_model_dir, tmp_path, capsys):
@@ -40,7 +44,7 @@ def test_profile_prints_every_row_and_writes_json(tiny_model_dir, tmp_path, caps
     assert run_profile(args) == 0
     printed = capsys.readouterr().out
     assert all(name in printed for name in ROWS)
-    assert "step total" in printed and "without the profiler" in printed
+    assert "step total" in printed and "without the profiler" in printed and "host work without the profiler" in printed
     assert "kernels: native CPU kernels" in printed and "(autotuned):" in printed
     result = json.loads((out / "profile.json").read_text())
     assert result["matmul_choices"] and "timed once" in result["kernels"]
@@ -57,6 +61,9 @@ def test_profile_decode_step_leaves_the_engine_idle(tiny_model_dir, cpu_kernels,
     engine = LLMEngine.from_args(str(tiny_model_dir), dtype="float32", cpu_kernels=cpu_kernels)
     result = profile_decode_step(engine, 3, prompt_len=5, decode_steps_before=1, steps=2)
     _check_breakdown(result)
+    # (the host timers wrapped the engine's methods for the unprofiled steps only)
+    assert not {"schedule", "update"} & vars(engine.scheduler).keys() and "_outputs" not in vars(engine)
+    assert "prepare" not in vars(engine.runner)
     assert next(row for row in result["rows"] if row["name"] == layers_row)["ms"] > 0
     assert not engine.has_unfinished_requests() and engine.kv_cache_usage() == 0
 

@@ -96,7 +96,8 @@ def profile_decode_step(engine, batch_size: int, *, prompt_len: int = 32, decode
     try:
         for _ in range(decode_steps_before):
             batch.step()
-        unprofiled = [batch.step() for _ in range(steps)]
+        with _HostTimes(engine) as host:
+            unprofiled = [batch.step() for _ in range(steps)]
         context_len = batch.context_len()
         on_gpu = engine.config.device != "cpu"
         activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]
@@ -120,6 +121,7 @@ def profile_decode_step(engine, batch_size: int, *, prompt_len: int = 32, decode
         "sampling_params": {name: getattr(params, name) for name in ("temperature", "top_p", "top_k", "min_p")},
         "step_ms": step_ms,
         "unprofiled_step_ms": 1000 * statistics.fmean(unprofiled),
+        "host_ms": host.per_step_ms(steps),
         "measured_ms": sum(row["ms"] for row in rows if row["name"] != OTHER), "rows": rows,
     }
 
@@ -180,6 +182,41 @@ class _DecodeBatch:
         self.engine.step()  # hands back the abort outputs, leaving the engine idle
 
 
+class _HostTimes:
+    """Wall time of the engine's host work in the unprofiled steps, by part (the profiler's per-op recording would
+    inflate exactly this Python work): schedule and update (the scheduler's), the outputs (the engine's), the input
+    preparation (rank 0's runner). Each method is wrapped on its instance for the steps, then restored."""
+
+    PARTS = (("schedule", "scheduler", "schedule"), ("input_prep", "runner", "prepare"),
+             ("update", "scheduler", "update"), ("outputs", "engine", "_outputs"))
+
+    def __init__(self, engine):
+        self._owners = {"engine": engine, "scheduler": engine.scheduler, "runner": engine.runner}
+        self.seconds = dict.fromkeys((part for part, _, _ in self.PARTS), 0.0)
+
+    def __enter__(self) -> _HostTimes:
+        for part, owner, name in self.PARTS:
+            setattr(self._owners[owner], name, self._timed(part, getattr(self._owners[owner], name)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for _, owner, name in self.PARTS:
+            del self._owners[owner].__dict__[name]  # (the class's method again)
+
+    def _timed(self, part: str, method):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds[part] += time.perf_counter() - start
+        return timed
+
+    def per_step_ms(self, steps: int) -> dict[str, float]:
+        per_step = {part: 1000 * seconds / steps for part, seconds in self.seconds.items()}
+        return {**per_step, "total": sum(per_step.values())}
+
+
 def _gpu_work(events, steps: int, num_layers: int) -> dict:
     """What the device ran per step: its kernels (those a CUDA graph replays included) and copies, their count and
     summed time, and the kernels per decoder layer (all of a step's over its layers: the LM head and sampler's few
@@ -219,6 +256,12 @@ def _component_rows(label_ms: dict[str, float], step_ms: float) -> list[dict]:
     return [{"name": name, "ms": ms, "percent": 100 * ms / step_ms} for name, ms in zip(ROWS, values)]
 
 
+def _host_line(host: dict[str, float], step_ms: float) -> str:
+    names = {"schedule": "schedule", "input_prep": "input preparation", "update": "update", "outputs": "outputs"}
+    return (f"host work without the profiler: {host['total']:.3f} ms/step ({100 * host['total'] / step_ms:.1f}% of the "
+            f"step; {', '.join(f'{label} {host[part]:.3f}' for part, label in names.items())})")
+
+
 def profile_table(result: dict) -> str:
     """The breakdown with the run's settings and the profiler-overhead caveat."""
     penalty, chosen = result["repetition_penalty"], result["sampling_params"]
@@ -231,7 +274,8 @@ def profile_table(result: dict) -> str:
     lines = [head, "", format_table(COLUMNS, [*result["rows"], None, total]), "",
              f"{OTHER}: the step time outside the labelled ranges (step total minus the rows above it)",
              f"without the profiler: {result['unprofiled_step_ms']:.3f} ms/step (the profiler's per-op recording "
-             "adds the difference; read the rows as shares of the step)"]
+             "adds the difference; read the rows as shares of the step)",
+             _host_line(result["host_ms"], result["unprofiled_step_ms"])]
     if result["device"] != "cpu":
         lines.append("the rows are host-side ranges: the GPU's asynchronous work counts where the host waits for it")
         gpu = result["gpu"]
