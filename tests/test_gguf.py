@@ -334,6 +334,37 @@ def test_a_q4_k_m_style_file_runs_as_the_float64_model_of_its_weights(tmp_path):
             assert expected[step, token] >= expected[step].max() - 6e-3
 
 
+@native
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_qkv_of_differently_quantised_parts_runs_in_the_one_call_decoder_as_op_by_op(tmp_path, monkeypatch, dtype):
+    """A Q4_K_M mix's q and k (Q4_K) beside v (Q6_K): the one-call decode step runs each part's matmul into its
+    columns and adds the bias as the per-op path's concatenation and add do: the same tokens and logprobs."""
+    from mini_infer.kernels.decoder import DecoderStack
+    from mini_infer.model.qwen2 import Qwen2ForCausalLM
+
+    model = build_hf_model(seed=7, vocab_size=300, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                           num_key_value_heads=2, tie_word_embeddings=False)
+    k_quants = {"q_proj.weight": "Q4_K", "k_proj.weight": "Q4_K", "v_proj.weight": "Q6_K", "o_proj.weight": "Q4_K",
+                "gate_proj.weight": "Q4_K", "up_proj.weight": "Q4_K", "down_proj.weight": "Q6_K",
+                "lm_head.weight": "Q6_K", "embed_tokens.weight": "Q4_K"}
+    path = write_gguf(model, tmp_path / "model.gguf", "f32", k_quants=k_quants)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+
+    def run():
+        llm = LLM(str(path), dtype=dtype, cpu_kernels="on", num_kv_blocks=32)
+        assert all(isinstance(layer.self_attn.qkv_proj, tuple) for layer in llm.engine.runner.model.layers)
+        out = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in out]
+
+    calls = []
+    stack_call = DecoderStack.__call__
+    monkeypatch.setattr(DecoderStack, "__call__", lambda self, *a: calls.append(1) or stack_call(self, *a))
+    stacked = run()
+    assert len(calls) >= 7  # every decode step ran through the stack
+    monkeypatch.setattr(Qwen2ForCausalLM, "_decoder_stack", lambda *args: None)
+    assert run() == stacked
+
+
 # A tiny MoE preset (8 experts) with K-quant-sized rows: 256 weights or a multiple of them.
 STRAIGHT = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, head_dim=64, num_attention_heads=4,
                 num_key_value_heads=2)

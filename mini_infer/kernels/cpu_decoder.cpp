@@ -9,6 +9,8 @@
 
 #include <memory>
 
+#include "bf16.h"
+
 namespace {
 
 enum DType : int { F32 = 0, BF16 = 1 };
@@ -54,6 +56,12 @@ struct Layer {
     void* k_cache;
     void* v_cache;
     Matmul qkv, o, gate_up, down;
+    // A QKV weight of differently quantised parts (a GGUF Q4_K_M file's Q4_K q and k beside a Q6_K v; or none:
+    // num_qkv_parts 0, `qkv` is the weight): each part's matmul into its columns, then the bias added in the
+    // activations' dtype, as the per-op path concatenates the parts' outputs and adds the bias (model/ops.py).
+    Matmul qkv_parts[3];
+    int qkv_part_cols[3];
+    int num_qkv_parts;
 };
 
 struct Model {
@@ -95,6 +103,35 @@ void matmul(const Matmul& m, const void* x, const void* bias, int dtype, void* o
     }
 }
 
+// out[r, :] += bias for R rows of N, rounded to the dtype as torch's add of two tensors of that dtype.
+void add_bias(void* out, const void* bias, int dtype, int R, int N) {
+    for (int64_t i = 0; i < static_cast<int64_t>(R) * N; ++i) {
+        const float sum = load_as_f32(out, dtype, i) + load_as_f32(bias, dtype, i % N);
+        if (dtype == BF16)
+            static_cast<uint16_t*>(out)[i] = f32_to_bf16(sum);
+        else
+            static_cast<float*>(out)[i] = sum;
+    }
+}
+
+// The layer's QKV projection of h into qkv [R, qkv_size]: one matmul with its bias, or the parts'.
+void project_qkv(const Layer& l, const void* h, int dtype, char* qkv, char* part, int R, int qkv_size, int hidden,
+                 int threads) {
+    if (l.num_qkv_parts == 0) {
+        matmul(l.qkv, h, l.qkv_bias, dtype, qkv, R, qkv_size, hidden, threads);
+        return;
+    }
+    const size_t elem = dtype == BF16 ? 2 : 4;
+    for (int j = 0, column = 0; j < l.num_qkv_parts; column += l.qkv_part_cols[j], ++j) {
+        const int cols = l.qkv_part_cols[j];
+        matmul(l.qkv_parts[j], h, nullptr, dtype, part, R, cols, hidden, threads);
+        for (int r = 0; r < R; ++r)
+            memcpy(qkv + (static_cast<size_t>(r) * qkv_size + column) * elem, part + static_cast<size_t>(r) * cols * elem,
+                   cols * elem);
+    }
+    add_bias(qkv, l.qkv_bias, dtype, R, qkv_size);
+}
+
 }  // namespace
 
 // x [R, hidden]: the step's embeddings (or the previous pipeline stage's hidden states), one decode token per
@@ -116,7 +153,8 @@ extern "C" int decode_layers(const Model* model, const Layer* layers, int num_la
     auto scratch = [](size_t bytes) { return std::unique_ptr<char[]>(new char[bytes]); };
     const auto h = scratch(rows * c.hidden * elem), qkv = scratch(rows * qkv_size * elem),
                q = scratch(rows * q_size * elem), attended = scratch(rows * q_size * elem),
-               gate_up = scratch(rows * 2 * c.intermediate * elem), act = scratch(rows * c.intermediate * elem);
+               gate_up = scratch(rows * 2 * c.intermediate * elem), act = scratch(rows * c.intermediate * elem),
+               part = scratch(rows * qkv_size * elem);
     const auto norm = reinterpret_cast<NormFn>(c.add_rms_norm);
     const auto rope = reinterpret_cast<RopeFn>(c.rope_kv_write);
     const auto attention = reinterpret_cast<AttentionFn>(c.attention);
@@ -130,7 +168,7 @@ extern "C" int decode_layers(const Model* model, const Layer* layers, int num_la
         if (i > 0)
             norm(out, residual_out, l.input_norm, h.get(), residual_out, c.dtype, R, c.hidden, c.eps, c.sum_width,
                  threads);
-        matmul(l.qkv, h.get(), l.qkv_bias, c.dtype, qkv.get(), R, qkv_size, c.hidden, threads);
+        project_qkv(l, h.get(), c.dtype, qkv.get(), part.get(), R, qkv_size, c.hidden, threads);
         if (l.q_norm != nullptr)  // each row's query heads, then its key heads, as rows of head_dim, in place
             for (size_t r = 0; r < rows; ++r) {
                 char* row = qkv.get() + r * qkv_size * elem;

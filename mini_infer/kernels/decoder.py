@@ -24,10 +24,14 @@ class _Matmul(ctypes.Structure):
                 ("zeros", _I), ("bits", _I), ("group", _I), ("super_groups", _I), ("scale_dtype", _I)]
 
 
+MAX_QKV_PARTS = 3  # cpu_decoder.cpp's Layer.qkv_parts
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv_bias", _P), ("q_norm", _P), ("k_norm", _P),
                 ("k_cache", _P), ("v_cache", _P), ("qkv", _Matmul), ("o", _Matmul), ("gate_up", _Matmul),
-                ("down", _Matmul)]
+                ("down", _Matmul), ("qkv_parts", _Matmul * MAX_QKV_PARTS), ("qkv_part_cols", _I * MAX_QKV_PARTS),
+                ("num_qkv_parts", _I)]
 
 
 class _Model(ctypes.Structure):
@@ -45,19 +49,25 @@ _QUANT_KIND = 4  # cpu_decoder.cpp's kind for gemm_quant
 @dataclass(frozen=True, slots=True)
 class LayerTensors:
     """What one decoder layer's decode step reads: its norms' weights, the QKV bias, its K/V caches, each
-    projection's matmul (path and packed weight) and Qwen3's per-head q and k norms (or None)."""
+    projection's matmul (path and packed weight; the QKV projection's may be the matmuls of its differently quantised
+    parts, whose outputs are its columns in order) and Qwen3's per-head q and k norms (or None)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     qkv_bias: torch.Tensor
     k_cache: torch.Tensor
     v_cache: torch.Tensor
-    qkv: NativeLinear
+    qkv: NativeLinear | tuple[NativeLinear, ...]
     o: NativeLinear
     gate_up: NativeLinear
     down: NativeLinear
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+
+
+def _parts(linear: NativeLinear | tuple[NativeLinear, ...]) -> tuple[NativeLinear, ...]:
+    """A projection's matmuls: its own, or its parts'."""
+    return linear if isinstance(linear[0], tuple) else (linear,)
 
 
 def _address(name: str) -> int:
@@ -93,10 +103,15 @@ class DecoderStack:
                     raise ValueError(f"decoder stack: layer {i} cache {tuple(cache.shape)} {cache.dtype} must be a "
                                      f"contiguous {dtype} {tuple(first.k_cache.shape)}")
             for name, shape in shapes.items():
-                weight = getattr(layer, name)[1]
-                if (weight.out_features, weight.in_features) != shape:
-                    raise ValueError(f"decoder stack: layer {i} {name} is {weight.out_features} x "
-                                     f"{weight.in_features}, not {shape[0]} x {shape[1]}")
+                parts = _parts(getattr(layer, name))
+                if name != "qkv" and len(parts) > 1 or len(parts) > MAX_QKV_PARTS:
+                    raise ValueError(f"decoder stack: layer {i} {name} has {len(parts)} parts (at most "
+                                     f"{MAX_QKV_PARTS if name == 'qkv' else 1})")
+                rows = sum(weight.out_features for _, weight in parts)
+                if (rows, *{weight.in_features for _, weight in parts}) != shape:
+                    raise ValueError(f"decoder stack: layer {i} {name} is {rows} x "
+                                     f"{'/'.join(str(weight.in_features) for _, weight in parts)}, not {shape[0]} x "
+                                     f"{shape[1]}")
         if (dtype not in cpu.DTYPES or num_heads % kv_heads or head_dim % 2 or cos.dtype != dtype
                 or sin.shape != cos.shape or cos.shape[1:] != (head_dim,)):
             raise ValueError(f"decoder stack: {dtype} layers of {num_heads} heads over {kv_heads} KV heads of "
@@ -110,13 +125,23 @@ class DecoderStack:
             _address("silu_mul"), self._keep[1].data_ptr(), self._keep[2].data_ptr(), cpu.DTYPE_CODES[dtype], hidden,
             num_heads, kv_heads, head_dim, intermediate_size, block_size, fused.sum_width(), num_blocks,
             self.max_positions, eps, 1.0 / math.sqrt(head_dim))
-        self._layers = (_Layer * len(layers))(*[
-            _Layer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), layer.qkv_bias.data_ptr(),
-                   *(t.data_ptr() if t is not None else None for t in (layer.q_norm, layer.k_norm)),
-                   layer.k_cache.data_ptr(), layer.v_cache.data_ptr(),
-                   *[self._matmul(dtype, *getattr(layer, name)) for name in shapes])
-            for layer in layers])
+        self._layers = (_Layer * len(layers))(*[self._layer(dtype, layer) for layer in layers])
         self._run = cpu.native_function("decode_layers")
+
+    @classmethod
+    def _layer(cls, dtype: torch.dtype, layer: LayerTensors) -> _Layer:
+        parts = _parts(layer.qkv)
+        matmuls = [cls._matmul(dtype, *getattr(layer, name)) if len(parts) == 1 or name != "qkv" else _Matmul()
+                   for name in ("qkv", "o", "gate_up", "down")]
+        struct = _Layer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), layer.qkv_bias.data_ptr(),
+                        *(t.data_ptr() if t is not None else None for t in (layer.q_norm, layer.k_norm)),
+                        layer.k_cache.data_ptr(), layer.v_cache.data_ptr(), *matmuls)
+        if len(parts) > 1:
+            struct.num_qkv_parts = len(parts)
+            for j, (path, weight) in enumerate(parts):
+                struct.qkv_parts[j] = cls._matmul(dtype, path, weight)
+                struct.qkv_part_cols[j] = weight.out_features
+        return struct
 
     @staticmethod
     def _matmul(dtype: torch.dtype, path: str, weight: cpu.PackedWeight | quant.QuantPanels) -> _Matmul:

@@ -18,6 +18,7 @@ from torch import nn
 from mini_infer.config import ModelConfig
 from mini_infer.distributed.comm import Comm
 from mini_infer.distributed.shard import Shard
+from mini_infer.kernels.autotune import bucket_index
 from mini_infer.kernels.decoder import DecoderStack, LayerTensors
 from mini_infer.model.attention import AttentionMetadata
 from mini_infer.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, empty_parameter
@@ -105,7 +106,7 @@ class Qwen2ForCausalLM(nn.Module):
             tied_here = config.tie_word_embeddings and shard.first_stage
             if lm_head:
                 self.lm_head = self.embed_tokens if tied_here else empty_parameter(*vocab_rows, **factory)
-        self._stacks: dict[tuple, DecoderStack] = {}  # per set of matmul choices, built on first use
+        self._stacks: dict[tuple, DecoderStack | None] = {}  # per batch-size bucket, built on first use
 
     def linear_weights(self) -> list[tuple[nn.Module, str]]:
         """(module, attribute) of every matmul weight: the projections of each layer (a mixture's router among them,
@@ -129,26 +130,30 @@ class Qwen2ForCausalLM(nn.Module):
                 or self.config.moe is not None
                 or (meta.token_rows is None and meta.num_decodes != meta.num_reqs) or num_tokens != rows):
             return None
-        first = self.layers[0]
-        weights = (first.self_attn.qkv_proj, first.self_attn.o_proj, first.mlp.gate_up_proj, first.mlp.down_proj)
-        choices = [self.ops.native_linear(weight, num_tokens) for weight in weights]
-        if None in choices:
-            return None
-        # Every layer's weights have the same shapes, so the same choices; the caches are the runner's, fixed.
-        key = (tuple(path for path, _ in choices), kv_caches[0][0].data_ptr())
+        # The matmul choices are the autotuner's per batch-size bucket (a GGUF file's layers differ in their weights'
+        # formats, so in their choices); the caches are the runner's, fixed.
+        key = (bucket_index(num_tokens), kv_caches[0][0].data_ptr())
         if key not in self._stacks:
-            self._stacks[key] = DecoderStack(
+            matmuls = [[self._native_linear(weight, num_tokens) for weight in (
+                layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+                for layer in self.layers]
+            self._stacks[key] = None if any(None in chosen for chosen in matmuls) else DecoderStack(
                 [LayerTensors(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                              layer.self_attn.qkv_bias, *kv_cache,
-                              *(self.ops.native_linear(weight, num_tokens) for weight in (
-                                  layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                                  layer.mlp.down_proj)),
+                              layer.self_attn.qkv_bias, *kv_cache, *chosen,
                               *(norm.weight if norm is not None else None for norm in (
                                   layer.self_attn.q_norm, layer.self_attn.k_norm)))
-                 for layer, kv_cache in zip(self.layers, kv_caches)],
+                 for layer, kv_cache, chosen in zip(self.layers, kv_caches, matmuls)],
                 num_heads=self.shard.num_heads, intermediate_size=self.shard.intermediate_size,
                 eps=self.config.rms_norm_eps, cos=self.rotary.cos, sin=self.rotary.sin)
         return self._stacks[key]
+
+    def _native_linear(self, weight, rows: int):
+        """The native path and packed weight of a matmul of `rows` rows (Ops.native_linear), for a fused weight of
+        differently quantised parts each part's; None where torch's matmul runs it (or one of its parts)."""
+        if isinstance(weight, tuple):
+            parts = tuple(self.ops.native_linear(part, rows) for part in weight)
+            return None if None in parts else parts
+        return self.ops.native_linear(weight, rows)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.shard.tp_size == 1:
