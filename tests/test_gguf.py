@@ -300,6 +300,17 @@ def test_k_quant_blocks_load_as_gguf_pys_dequantisation(tmp_path, kind):
     assert np.array_equal(ours, theirs)
 
 
+def q4_k_m_style_file(tmp_path, seed: int, o_type: str):
+    """A random HF model and its GGUF file in a Q4_K_M mix: Q4_K q, k, gate and up beside Q6_K v, down and LM head,
+    o_proj in `o_type`."""
+    model = build_hf_model(seed=seed, vocab_size=300, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                           num_key_value_heads=2, tie_word_embeddings=False)
+    k_quants = {"q_proj.weight": "Q4_K", "k_proj.weight": "Q4_K", "v_proj.weight": "Q6_K", "o_proj.weight": o_type,
+                "gate_proj.weight": "Q4_K", "up_proj.weight": "Q4_K", "down_proj.weight": "Q6_K",
+                "lm_head.weight": "Q6_K", "embed_tokens.weight": "Q4_K"}
+    return model, write_gguf(model, tmp_path / "model.gguf", "f32", k_quants=k_quants)
+
+
 @native
 def test_a_q4_k_m_style_file_runs_as_the_float64_model_of_its_weights(tmp_path):
     """Q4_K q, k, gate and up beside Q6_K v, down and LM head (a Q4_K_M mix) and a Q5_K o: the fused q/k/v and gate/up
@@ -307,12 +318,7 @@ def test_a_q4_k_m_style_file_runs_as_the_float64_model_of_its_weights(tmp_path):
     file's dequantised weights, within the kernels' int16 rounding (as the Q8_0 / Q4_0 test's bound)."""
     from gguf import GGUFReader
 
-    model = build_hf_model(seed=6, vocab_size=300, hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                           num_key_value_heads=2, tie_word_embeddings=False)
-    k_quants = {"q_proj.weight": "Q4_K", "k_proj.weight": "Q4_K", "v_proj.weight": "Q6_K", "o_proj.weight": "Q5_K",
-                "gate_proj.weight": "Q4_K", "up_proj.weight": "Q4_K", "down_proj.weight": "Q6_K",
-                "lm_head.weight": "Q6_K", "embed_tokens.weight": "Q4_K"}
-    path = write_gguf(model, tmp_path / "model.gguf", "f32", k_quants=k_quants)
+    model, path = q4_k_m_style_file(tmp_path, seed=6, o_type="Q5_K")
     weights = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in GGUFReader(str(path)).tensors}
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, model.config.num_hidden_layers)
     reference = model.double()
@@ -342,12 +348,7 @@ def test_a_qkv_of_differently_quantised_parts_runs_in_the_one_call_decoder_as_op
     from mini_infer.kernels.decoder import DecoderStack
     from mini_infer.model.qwen2 import Qwen2ForCausalLM
 
-    model = build_hf_model(seed=7, vocab_size=300, hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                           num_key_value_heads=2, tie_word_embeddings=False)
-    k_quants = {"q_proj.weight": "Q4_K", "k_proj.weight": "Q4_K", "v_proj.weight": "Q6_K", "o_proj.weight": "Q4_K",
-                "gate_proj.weight": "Q4_K", "up_proj.weight": "Q4_K", "down_proj.weight": "Q6_K",
-                "lm_head.weight": "Q6_K", "embed_tokens.weight": "Q4_K"}
-    path = write_gguf(model, tmp_path / "model.gguf", "f32", k_quants=k_quants)
+    _, path = q4_k_m_style_file(tmp_path, seed=7, o_type="Q4_K")
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
 
     def run():
