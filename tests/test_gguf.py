@@ -300,14 +300,15 @@ def test_k_quant_blocks_load_as_gguf_pys_dequantisation(tmp_path, kind):
     assert np.array_equal(ours, theirs)
 
 
-def q4_k_m_style_file(tmp_path, seed: int, o_type: str):
-    """A random HF model and its GGUF file in a Q4_K_M mix: Q4_K q, k, gate and up beside Q6_K v, down and LM head,
-    o_proj in `o_type`."""
+def q4_k_m_style_file(tmp_path, seed: int, o_type: str, up_type: str = "Q4_K"):
+    """A random HF model and its GGUF file in a Q4_K_M mix: Q4_K q, k and gate beside Q6_K v, down and LM head,
+    o_proj in `o_type`, up_proj in `up_type`."""
     model = build_hf_model(seed=seed, vocab_size=300, hidden_size=256, intermediate_size=512, num_attention_heads=4,
                            num_key_value_heads=2, tie_word_embeddings=False)
     k_quants = {"q_proj.weight": "Q4_K", "k_proj.weight": "Q4_K", "v_proj.weight": "Q6_K", "o_proj.weight": o_type,
-                "gate_proj.weight": "Q4_K", "up_proj.weight": "Q4_K", "down_proj.weight": "Q6_K",
+                "gate_proj.weight": "Q4_K", "up_proj.weight": up_type, "down_proj.weight": "Q6_K",
                 "lm_head.weight": "Q6_K", "embed_tokens.weight": "Q4_K"}
+    tmp_path.mkdir(exist_ok=True)
     return model, write_gguf(model, tmp_path / "model.gguf", "f32", k_quants=k_quants)
 
 
@@ -364,6 +365,16 @@ def test_a_qkv_of_differently_quantised_parts_runs_in_the_one_call_decoder_as_op
     assert len(calls) >= 7  # every decode step ran through the stack
     monkeypatch.setattr(Qwen2ForCausalLM, "_decoder_stack", lambda *args: None)
     assert run() == stacked
+    # Parts elsewhere (a Q5_K up beside a Q4_K gate) are the per-op path's alone: such a file decodes op by op.
+    monkeypatch.undo()
+    llm = LLM(str(q4_k_m_style_file(tmp_path / "up", seed=7, o_type="Q4_K", up_type="Q5_K")[1]), dtype=dtype,
+              cpu_kernels="on", num_kv_blocks=32)
+    model = llm.engine.runner.model
+    assert isinstance(model.layers[0].mlp.gate_up_proj, tuple)
+    calls.clear()
+    monkeypatch.setattr(DecoderStack, "__call__", lambda self, *a: calls.append(1) or stack_call(self, *a))
+    assert len(llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)[0].outputs[0].token_ids) == 8
+    assert not calls
 
 
 # A tiny MoE preset (8 experts) with K-quant-sized rows: 256 weights or a multiple of them.

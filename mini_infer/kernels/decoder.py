@@ -131,8 +131,8 @@ class DecoderStack:
     @classmethod
     def _layer(cls, dtype: torch.dtype, layer: LayerTensors) -> _Layer:
         parts = _parts(layer.qkv)
-        matmuls = [cls._matmul(dtype, *getattr(layer, name)) if len(parts) == 1 or name != "qkv" else _Matmul()
-                   for name in ("qkv", "o", "gate_up", "down")]
+        matmuls = [cls._matmul(dtype, *parts[0]) if len(parts) == 1 else _Matmul(),
+                   *(cls._matmul(dtype, *getattr(layer, name)) for name in ("o", "gate_up", "down"))]
         struct = _Layer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), layer.qkv_bias.data_ptr(),
                         *(t.data_ptr() if t is not None else None for t in (layer.q_norm, layer.k_norm)),
                         layer.k_cache.data_ptr(), layer.v_cache.data_ptr(), *matmuls)

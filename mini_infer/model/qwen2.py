@@ -134,8 +134,9 @@ class Qwen2ForCausalLM(nn.Module):
         # formats, so in their choices); the caches are the runner's, fixed.
         key = (bucket_index(num_tokens), kv_caches[0][0].data_ptr())
         if key not in self._stacks:
-            matmuls = [[self._native_linear(weight, num_tokens) for weight in (
-                layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+            matmuls = [[self._qkv_linear(layer.self_attn.qkv_proj, num_tokens), *(
+                self.ops.native_linear(weight, num_tokens)  # (None for a fused weight of parts: op by op)
+                for weight in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))]
                 for layer in self.layers]
             self._stacks[key] = None if any(None in chosen for chosen in matmuls) else DecoderStack(
                 [LayerTensors(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
@@ -147,9 +148,9 @@ class Qwen2ForCausalLM(nn.Module):
                 eps=self.config.rms_norm_eps, cos=self.rotary.cos, sin=self.rotary.sin)
         return self._stacks[key]
 
-    def _native_linear(self, weight, rows: int):
-        """The native path and packed weight of a matmul of `rows` rows (Ops.native_linear), for a fused weight of
-        differently quantised parts each part's; None where torch's matmul runs it (or one of its parts)."""
+    def _qkv_linear(self, weight, rows: int):
+        """The native path and packed weight of the QKV matmul of `rows` rows (Ops.native_linear), or for a fused
+        weight of differently quantised parts each part's; None where torch's matmul runs it (or one of its parts)."""
         if isinstance(weight, tuple):
             parts = tuple(self.ops.native_linear(part, rows) for part in weight)
             return None if None in parts else parts
