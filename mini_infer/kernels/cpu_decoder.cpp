@@ -153,8 +153,10 @@ extern "C" int decode_layers(const Model* model, const Layer* layers, int num_la
     auto scratch = [](size_t bytes) { return std::unique_ptr<char[]>(new char[bytes]); };
     const auto h = scratch(rows * c.hidden * elem), qkv = scratch(rows * qkv_size * elem),
                q = scratch(rows * q_size * elem), attended = scratch(rows * q_size * elem),
-               gate_up = scratch(rows * 2 * c.intermediate * elem), act = scratch(rows * c.intermediate * elem),
-               part = scratch(rows * qkv_size * elem);
+               gate_up = scratch(rows * 2 * c.intermediate * elem), act = scratch(rows * c.intermediate * elem);
+    bool has_parts = false;  // (a QKV weight of parts needs a part's output before it goes into its columns)
+    for (int i = 0; i < num_layers; ++i) has_parts |= layers[i].num_qkv_parts > 0;
+    const auto part = scratch(has_parts ? rows * qkv_size * elem : 0);
     const auto norm = reinterpret_cast<NormFn>(c.add_rms_norm);
     const auto rope = reinterpret_cast<RopeFn>(c.rope_kv_write);
     const auto attention = reinterpret_cast<AttentionFn>(c.attention);
