@@ -358,6 +358,11 @@ inline void tile(const Problem& p, int m0, int panel0, const uint8_t* limit) {
 #pragma GCC unroll 8
     for (int j = 0; j < NP; ++j) base[j] = p.panels + (panel0 + j) * p.layout.bytes + p.layout.q;
     const bool sums = p.xsum != nullptr;  // an offset times x's group sum: int4, or two-level with mins
+    // On a 2-core Zen 3, broadcasting at use ran the AVX2 build's 4-row tiles 0.91x (int6, Q6_K), 0.92-0.94x (int4:
+    // Q4_K and Q4_0) and 0.97x (int8) as long over the 1.5B shape's projections at 4-32 rows, the same bits (10
+    // shuffled rounds against the kernel before, in one process); 1-3 rows alike or faster. The AVX-512 builds keep
+    // their order (not measured there).
+    constexpr bool X_AT_USE = !QUANT_AVX512 && MR > 1;
     const int16_t* x = p.x + static_cast<int64_t>(m0) * p.Kp;
     for (int g = 0; g < groups; ++g) {
         VI sum[MR][NP][L];
@@ -365,12 +370,16 @@ inline void tile(const Problem& p, int m0, int panel0, const uint8_t* limit) {
         for (int k = g * p.G; k < (g + 1) * p.G; k += STEP_K) {
             const int64_t at = static_cast<int64_t>(k / STEP_K) * STEP_BYTES;
             // x's pairs first, then one panel at a time (its weights used at once: all of them live at once spilled
-            // registers at one row, 8 panels x 4 pairs).
+            // registers at one row, 8 panels x 4 pairs). AVX2's tiles of several rows (one panel) instead broadcast
+            // each row's pair where it is multiplied, pair by pair: MR x PAIRS broadcasts held at once spilled there
+            // (16 registers for 4 rows of int4 pairs, beside 8 sums and 8 weight vectors).
             VI xv[MR][PAIRS];
+            if constexpr (!X_AT_USE)
 #pragma GCC unroll 8
-            for (int i = 0; i < MR; ++i)
+                for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
-                for (int t = 0; t < PAIRS; ++t) xv[i][t] = pair_broadcast(x + static_cast<int64_t>(i) * p.Kp + k + 2 * t);
+                    for (int t = 0; t < PAIRS; ++t)
+                        xv[i][t] = pair_broadcast(x + static_cast<int64_t>(i) * p.Kp + k + 2 * t);
 #pragma GCC unroll 8
             for (int j = 0; j < NP; ++j) {
                 VI w[PAIRS * L];
@@ -378,12 +387,23 @@ inline void tile(const Problem& p, int m0, int panel0, const uint8_t* limit) {
                 if constexpr (BITS == INT6)  // 1.5 lines a step: the next line's prefetch too
                     prefetch<PF, NP>(base[j] + at + 64, p.layout.q + at + 64, p.layout.bytes, limit);
                 step_pairs<BITS>(base[j] + at, w);
-#pragma GCC unroll 8
-                for (int i = 0; i < MR; ++i)
+                if constexpr (X_AT_USE) {
 #pragma GCC unroll 4
                     for (int t = 0; t < PAIRS; ++t)
+#pragma GCC unroll 8
+                        for (int i = 0; i < MR; ++i) {
+                            const VI xi = pair_broadcast(x + static_cast<int64_t>(i) * p.Kp + k + 2 * t);
 #pragma GCC unroll 2
-                        for (int h = 0; h < L; ++h) sum[i][j][h] = dot(sum[i][j][h], w[t * L + h], xv[i][t]);
+                            for (int h = 0; h < L; ++h) sum[i][j][h] = dot(sum[i][j][h], w[t * L + h], xi);
+                        }
+                } else {
+#pragma GCC unroll 8
+                    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+                        for (int t = 0; t < PAIRS; ++t)
+#pragma GCC unroll 2
+                            for (int h = 0; h < L; ++h) sum[i][j][h] = dot(sum[i][j][h], w[t * L + h], xv[i][t]);
+                }
             }
         }
 #pragma GCC unroll 8
