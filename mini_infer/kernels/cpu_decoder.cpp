@@ -47,6 +47,8 @@ struct Matmul {
     int zeros, bits, group, super_groups, scale_dtype;
 };
 
+constexpr int MAX_QKV_PARTS = 3;  // kernels/decoder.py's MAX_QKV_PARTS (q, k, v)
+
 struct Layer {
     const void* input_norm;
     const void* post_norm;
@@ -59,8 +61,8 @@ struct Layer {
     // A QKV weight of differently quantised parts (a GGUF Q4_K_M file's Q4_K q and k beside a Q6_K v; or none:
     // num_qkv_parts 0, `qkv` is the weight): each part's matmul into its columns, then the bias added in the
     // activations' dtype, as the per-op path concatenates the parts' outputs and adds the bias (model/ops.py).
-    Matmul qkv_parts[3];
-    int qkv_part_cols[3];
+    Matmul qkv_parts[MAX_QKV_PARTS];
+    int qkv_part_cols[MAX_QKV_PARTS];
     int num_qkv_parts;
 };
 

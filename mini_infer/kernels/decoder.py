@@ -24,7 +24,7 @@ class _Matmul(ctypes.Structure):
                 ("zeros", _I), ("bits", _I), ("group", _I), ("super_groups", _I), ("scale_dtype", _I)]
 
 
-MAX_QKV_PARTS = 3  # cpu_decoder.cpp's Layer.qkv_parts
+MAX_QKV_PARTS = 3  # cpu_decoder.cpp's MAX_QKV_PARTS (Layer.qkv_parts)
 
 
 class _Layer(ctypes.Structure):
