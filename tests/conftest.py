@@ -193,16 +193,30 @@ def processes() -> list[tuple[int, str, int, int, bytes]]:
 
 
 def descendants(root: int) -> list[int]:
-    """Every live process under `root`, bar multiprocessing's resource tracker (it leaves with its parent)."""
-    parents = {pid: ppid for pid, state, ppid, _, cmdline in processes()
-               if state != "Z" and b"resource_tracker" not in cmdline}
+    """Every live process under `root`, bar multiprocessing's resource tracker and fork servers (each leaves with the
+    process that started it); the processes a fork server started are listed."""
+    live = [(pid, ppid, cmdline) for pid, state, ppid, _, cmdline in processes() if state != "Z"]
+    parents = {pid: ppid for pid, ppid, cmdline in live if b"resource_tracker" not in cmdline}
+    servers = {pid for pid, _, cmdline in live if is_fork_server(pid, cmdline)}
     found, frontier = [], [root]
     while frontier:
         parent = frontier.pop()
         children = [pid for pid, ppid in parents.items() if ppid == parent]
-        found += children
+        found += [pid for pid in children if pid not in servers]
         frontier += children
     return found
+
+
+def is_fork_server(pid: int, cmdline: bytes) -> bool:
+    """multiprocessing's fork server itself: the processes it forks share its command line, but the engine's name
+    themselves (distributed/processes.py)."""
+    if b"multiprocessing.forkserver" not in cmdline:
+        return False
+    try:
+        with open(f"/proc/{pid}/comm", "rb") as f:
+            return not f.read().startswith(b"mini-infer:")
+    except OSError:
+        return False
 
 
 @pytest.fixture(scope="session")

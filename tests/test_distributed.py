@@ -21,6 +21,7 @@ from mini_infer import LLM, SamplingParams
 from mini_infer.bench.options import parse_layout
 from mini_infer.config import EngineConfig
 from mini_infer.engine.data_parallel import DataParallelEngine
+from mini_infer.distributed.processes import new_process, process_context
 from mini_infer.distributed.shard import make_shard
 from mini_infer.distributed.shm import SHM_DIR
 from mini_infer.errors import InvalidRequestError, WorkerDiedError
@@ -193,6 +194,26 @@ def test_killed_replica_or_its_rank_leaves_the_other_serving_a_whole_batch(tiny_
     assert len(descendants(os.getpid())) == num_processes // 2
     llm.engine.shutdown()
     assert descendants(os.getpid()) == []
+
+
+def _report_environment(results) -> None:
+    with open("/proc/self/comm") as f:
+        results.put((os.environ.get("MINI_INFER_TEST_MARK"), f.read().strip()))
+
+
+def test_engine_processes_start_in_the_environment_of_the_moment_and_name_themselves(monkeypatch):
+    """A process forked from the fork server gets its parent's environment as it is when the process starts (as a
+    spawned one would), not the server's from when the server started; and its comm is the name it was given."""
+    context = process_context()
+    results = context.Queue()
+    for mark in ["one", "two"]:  # the server runs by the second (started by the first, or an earlier test)
+        monkeypatch.setenv("MINI_INFER_TEST_MARK", mark)
+        process = new_process(context, _report_environment, (results,), name="mini-infer-test",
+                              comm=f"mini-infer:{mark}")
+        process.start()
+        assert results.get(timeout=60) == (mark, f"mini-infer:{mark}")
+        process.join(30)
+        assert process.exitcode == 0
 
 
 # A shell starts the program with Python's own SIGINT handler; a child of the test process inherits that process's

@@ -13,11 +13,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
 
 import torch
-import torch.multiprocessing as mp
 
 from mini_infer.config import EngineConfig
+from mini_infer.distributed.processes import new_process, process_context
 from mini_infer.engine.input_processor import ProcessedRequest
 from mini_infer.engine.llm_engine import LLMEngine
 from mini_infer.engine.scheduler import SchedulerStats
@@ -53,7 +54,7 @@ class ReplicaHealth:
 class ReplicaProcess:
     """One process of a replica, and its outstanding work as the router sees it."""
 
-    process: mp.Process
+    process: BaseProcess
     conn: Connection
     routed: bool = False  # the router reads (and closes) its pipe from now on; until then the supervisor does
     reported_load: int = 0  # outstanding tokens at the replica's last report
@@ -79,7 +80,7 @@ class Replica:
     restart_at: float | None = None  # (time.monotonic) while in BACKOFF
 
     @property
-    def process(self) -> mp.Process | None:
+    def process(self) -> BaseProcess | None:
         return self.current.process if self.current is not None else None
 
 
@@ -94,7 +95,7 @@ class Supervisor:
         self.lock = threading.Lock()
         self.replicas = [Replica(index) for index in range(count)]
         self.closed = False
-        self._context = mp.get_context("spawn")
+        self._context = process_context()
         self._wake, self._waker = self._context.Pipe(duplex=False)  # to the thread: look again
         self.router_wake, self._router_waker = self._context.Pipe(duplex=False)  # to the router: a replica changed
         self._thread = threading.Thread(target=self._run, name="mini-infer-dp-supervisor", daemon=True)
@@ -232,8 +233,8 @@ class Supervisor:
     def _spawn(self, index: int) -> ReplicaProcess:
         ours, theirs = self._context.Pipe()
         # Not daemonic: a replica with tensor/pipeline parallelism starts worker processes of its own.
-        process = self._context.Process(target=replica_main, name=f"mini-infer-dp{index}",
-                                        args=(self.config, index, self.count, theirs))
+        process = new_process(self._context, replica_main, (self.config, index, self.count, theirs),
+                              name=f"mini-infer-dp{index}", comm=f"mini-infer:dp{index}")
         process.start()
         theirs.close()
         return ReplicaProcess(process, ours)
@@ -248,7 +249,7 @@ def ended(request_id: str, processed: ProcessedRequest, finish_reason: str,
     return RequestOutput(request_id, processed.text, list(processed.token_ids), [completion], finished=True)
 
 
-def exit_description(process: mp.Process) -> str:
+def exit_description(process: BaseProcess) -> str:
     code = process.exitcode
     if code is None:  # reaped by another thread of this process: the code went there
         return "exited"

@@ -1,8 +1,9 @@
 """The ranks of one tensor/pipeline-parallel engine, from rank 0's side, and the loop the other ranks run.
 
 Rank 0 is the engine process: it schedules, broadcasts each step's StepPlan over the control group, runs its
-own shard and samples. Launched locally, it starts ranks 1..N-1 itself (torch.multiprocessing, spawn), one per
-device; on the CPU the ranks divide the cores between them (each pinned to its share when there are enough).
+own shard and samples. Launched locally, it starts ranks 1..N-1 itself (from multiprocessing's fork server:
+distributed/processes.py), one per device; on the CPU the ranks divide the cores between them (each pinned to its
+share when there are enough).
 Launched torchrun-style (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK set), every rank is started by the user on
 its machine: rank 0 runs an engine command, the others `mini-infer worker` with the same engine flags.
 
@@ -20,13 +21,14 @@ import sys
 import threading
 from dataclasses import dataclass
 from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from mini_infer.config import EngineConfig
 from mini_infer.distributed.comm import Comm, init_process_groups
+from mini_infer.distributed.processes import new_process, process_context
 from mini_infer.errors import WorkerDiedError
 
 # How long a collective may wait for a rank that is alive but silent (a dead one fails at once).
@@ -93,7 +95,7 @@ class Ranks:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self._processes: dict[int, mp.Process] = {}
+        self._processes: dict[int, BaseProcess] = {}
         self._saved = (os.sched_getaffinity(0), torch.get_num_threads())
         self._stopped = False
         self.comm: Comm | None = None
@@ -117,12 +119,12 @@ class Ranks:
             s.bind(("127.0.0.1", 0))
             init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
         threads = _cpu_threads(world)
-        context = mp.get_context("spawn")
+        context = process_context()
         for rank in range(1, world):
             launch = Launch(rank, world, init_method, rank_device(config.device, rank), cpu_share(rank, world),
                             threads)
-            process = context.Process(target=worker_main, args=(config, launch), daemon=True,
-                                      name=f"mini-infer-rank{rank}")
+            process = new_process(context, worker_main, (config, launch), name=f"mini-infer-rank{rank}",
+                                  comm=f"mini-infer:r{rank}", daemon=True)
             process.start()
             self._processes[rank] = process
         return Launch(0, world, init_method, rank_device(config.device, 0), cpu_share(0, world), threads)
