@@ -208,8 +208,7 @@ def test_engine_processes_start_in_the_environment_of_the_moment_and_name_themse
     results = context.Queue()
     for mark in ["one", "two"]:  # the server runs by the second (started by the first, or an earlier test)
         monkeypatch.setenv("MINI_INFER_TEST_MARK", mark)
-        process = new_process(context, _report_environment, (results,), name="mini-infer-test",
-                              comm=f"mini-infer:{mark}")
+        process = new_process(context, _report_environment, (results,), name=f"mini-infer:{mark}")
         process.start()
         assert results.get(timeout=60) == (mark, f"mini-infer:{mark}")
         process.join(30)

@@ -30,16 +30,16 @@ def process_context() -> BaseContext:
     return context
 
 
-def new_process(context: BaseContext, target: Callable, args: tuple, name: str, comm: str,
+def new_process(context: BaseContext, target: Callable, args: tuple, name: str,
                 daemon: bool | None = None) -> BaseProcess:
-    """A process (not started) that runs target(*args) in this process's current environment, named `name` in
-    multiprocessing and `comm` (<= 15 characters) in the operating system."""
-    return context.Process(target=_child_main, args=(dict(os.environ), comm, target, args), name=name, daemon=daemon)
+    """A process (not started) that runs target(*args) in this process's current environment, named `name` (at most
+    15 characters) in multiprocessing and in the operating system."""
+    return context.Process(target=_child_main, args=(dict(os.environ), name, target, args), name=name, daemon=daemon)
 
 
-def _child_main(environ: dict[str, str], comm: str, target: Callable, args: tuple) -> None:
+def _child_main(environ: dict[str, str], name: str, target: Callable, args: tuple) -> None:
     os.environ.clear()
     os.environ.update(environ)
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_NAME, comm.encode()[:15], 0, 0, 0)  # (a name is a convenience: a failure changes nothing)
+    libc.prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)  # (a name is a convenience: a failure changes nothing)
     target(*args)

@@ -234,7 +234,7 @@ class Supervisor:
         ours, theirs = self._context.Pipe()
         # Not daemonic: a replica with tensor/pipeline parallelism starts worker processes of its own.
         process = new_process(self._context, replica_main, (self.config, index, self.count, theirs),
-                              name=f"mini-infer-dp{index}", comm=f"mini-infer:dp{index}")
+                              name=f"mini-infer:dp{index}")
         process.start()
         theirs.close()
         return ReplicaProcess(process, ours)

@@ -123,8 +123,7 @@ class Ranks:
         for rank in range(1, world):
             launch = Launch(rank, world, init_method, rank_device(config.device, rank), cpu_share(rank, world),
                             threads)
-            process = new_process(context, worker_main, (config, launch), name=f"mini-infer-rank{rank}",
-                                  comm=f"mini-infer:r{rank}", daemon=True)
+            process = new_process(context, worker_main, (config, launch), name=f"mini-infer:r{rank}", daemon=True)
             process.start()
             self._processes[rank] = process
         return Launch(0, world, init_method, rank_device(config.device, 0), cpu_share(0, world), threads)
