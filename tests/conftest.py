@@ -22,14 +22,21 @@ from mini_infer.paths import cache_dir
 # converted Qwen tokenizer, named by a hash of the vocabulary and the builder's version (factory/tokenizer.py;
 # tests/test_factory.py converts it afresh in a cache of its own). The clients' installs, the kernels and the
 # tokenizer are kept there for the next run (the kernels take ~45 s to build on two cores, the tokenizer ~6 s).
+# A process the test run starts that imports this module (a rank or replica unpickling a test's function) inherits
+# the run's cache and its MINI_INFER_CACHE through the environment: it makes no cache of its own, which nothing would
+# remove.
 _USER_PEERS = cache_dir() / "peers"
-TEST_CACHE = Path(tempfile.mkdtemp(prefix="mini-infer-test-cache-"))
-if _USER_PEERS.is_dir():
-    (TEST_CACHE / "peers").symlink_to(_USER_PEERS)
-for _kept in ("clients", "kernels", "tokenizers"):
-    (cache_dir() / _kept).mkdir(parents=True, exist_ok=True)
-    (TEST_CACHE / _kept).symlink_to(cache_dir() / _kept)
-os.environ["MINI_INFER_CACHE"] = str(TEST_CACHE)
+_OWNER = None  # the process that made the cache (it removes it at the end)
+if "MINI_INFER_TEST_CACHE" in os.environ:
+    TEST_CACHE = Path(os.environ["MINI_INFER_TEST_CACHE"])
+else:
+    TEST_CACHE, _OWNER = Path(tempfile.mkdtemp(prefix="mini-infer-test-cache-")), os.getpid()
+    if _USER_PEERS.is_dir():
+        (TEST_CACHE / "peers").symlink_to(_USER_PEERS)
+    for _kept in ("clients", "kernels", "tokenizers"):
+        (cache_dir() / _kept).mkdir(parents=True, exist_ok=True)
+        (TEST_CACHE / _kept).symlink_to(cache_dir() / _kept)
+    os.environ["MINI_INFER_TEST_CACHE"] = os.environ["MINI_INFER_CACHE"] = str(TEST_CACHE)
 
 
 def pytest_collection_finish(session):
@@ -41,7 +48,8 @@ def pytest_collection_finish(session):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    shutil.rmtree(TEST_CACHE, ignore_errors=True)
+    if os.getpid() == _OWNER:
+        shutil.rmtree(TEST_CACHE, ignore_errors=True)
 
 
 # The engine's device in the parity tests (the HF reference always runs on the CPU in float64).
