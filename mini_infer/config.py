@@ -590,6 +590,10 @@ class EngineConfig:
     # Decode steps replay CUDA graphs captured per padded batch size (runner/graphs.py) where the Triton kernels run;
     # True runs every step eagerly (vLLM's name).
     enforce_eager: bool = False
+    # Async scheduling (vLLM's name): each step is planned and launched while the step before it still runs on the
+    # device, its sampled tokens pending until then (docs/decisions/032). None: on for one rank generating on a CUDA
+    # device without speculative decoding, where the host's work per step would otherwise wait for the device's.
+    async_scheduling: bool | None = None
     # Batch-invariant numerics (docs/decisions/023): a request's tokens and logprobs do not depend on what else runs
     # in its steps, how its prompt was chunked, whether it was preempted or its prefix cached. Native CPU kernels only.
     deterministic: bool = False
@@ -690,6 +694,26 @@ class EngineConfig:
             raise ValueError(f"task {self.task} runs in one pipeline stage (its pooling reads the last stage's hidden "
                              f"states on rank 0), got pipeline_parallel_size {self.pipeline_parallel_size}")
         self._check_speculative()
+        self._check_async_scheduling()
+
+    def _check_async_scheduling(self) -> None:
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(f"async_scheduling must be true, false or None (auto), got {self.async_scheduling!r}")
+        if self.async_scheduling:
+            why = ("a replica of several ranks (tensor or pipeline parallel)" if self.world_size != 1 else
+                   f"task {self.task} (it samples nothing)" if self.pooler is not None else
+                   "speculative decoding (its drafts are the tokens before them)"
+                   if self.speculative_config is not None else None)
+            if why is not None:
+                raise ValueError(f"async_scheduling is not supported with {why}; leave it None (auto) or false")
+
+    @property
+    def runs_ahead(self) -> bool:
+        """Whether steps are scheduled ahead (async_scheduling, resolved)."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return (torch.device(self.device).type == "cuda" and self.world_size == 1 and self.pooler is None
+                and self.speculative_config is None)
 
     def _check_speculative(self) -> None:
         """speculative_config validated, and a draft model's own engine config built (same dtype, kernels, block
@@ -707,8 +731,8 @@ class EngineConfig:
                 model=spec.model, dtype=self.torch_dtype, device=self.device,
                 block_size=self.block_size, num_kv_blocks=1, max_num_seqs=self.max_num_seqs,
                 max_model_len=self.max_model_len, seed=self.seed, cpu_kernels=self.cpu_kernels,
-                gpu_kernels=self.gpu_kernels, enforce_eager=True, deterministic=self.deterministic,
-                quantization=spec.quantization, task="generate")
+                gpu_kernels=self.gpu_kernels, enforce_eager=True, async_scheduling=False,
+                deterministic=self.deterministic, quantization=spec.quantization, task="generate")
         except ValueError as e:
             raise ValueError(f"speculative_config.model ({spec.model}): {e}") from e
         draft, target = self.draft_config.model_config, self.model_config

@@ -10,7 +10,8 @@ Usage, in the repository root:
         correct   the kernel, graph and GPU-path tests and the parity suite with MINI_INFER_TEST_DEVICE=cuda
         bench     0.5B shape, 32-token prompts, 128 new tokens, batch 1, 8, 32, 128, 256: mini-infer (graphs),
                   mini-infer-eager and HF generate on the same GPU, with the GPU's ceilings
-        profile   one decode step at batch 1 and 256: before (torch ops, eager) and after (Triton + graphs)
+        profile   one decode step at batch 1 and 256: before (torch ops, eager, synchronous), sync (Triton + graphs,
+                  each step waiting for the one before) and after (Triton + graphs, async scheduling)
         nano      nano-vllm's workload on the 0.5B shape (mini-infer)
         7b        the 7B shape: batch 1 beside HF generate, and nano-vllm's workload
 Writes OUT/gpu_check.md (the summary, also printed last) and OUT/gpu_check.tar.gz (every table, JSON, chart, profile
@@ -31,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / ".device" / "tokenizer"
 MODELS = Path("/tmp/gpu-check-models")
-STAGE_LIMIT_S = {"correct": 240, "bench": 300, "profile": 180, "nano": 240, "7b": 420}
+STAGE_LIMIT_S = {"correct": 240, "bench": 300, "profile": 270, "nano": 240, "7b": 420}
 STAGES = tuple(STAGE_LIMIT_S)
 
 
@@ -59,7 +60,8 @@ def stage_commands(stage: str, work: Path) -> list[list[str]]:
     if stage == "profile":
         runs = []
         for batch in (1, 256):
-            for name, flags in (("before", ("--gpu-kernels", "off", "--enforce-eager")), ("after", ())):
+            for name, flags in (("before", ("--gpu-kernels", "off", "--enforce-eager", "--no-async-scheduling")),
+                                ("sync", ("--no-async-scheduling",)), ("after", ())):
                 runs.append(cli("profile", "--device", "cuda", "--dtype", "bfloat16", "--model",
                                 str(model("qwen2.5-0.5b")), "--batch-size", str(batch), "--steps", "20",
                                 "--kv-cache-memory-gb", "8", *flags, "--out", str(work / f"profile-b{batch}-{name}")))

@@ -39,8 +39,8 @@ def count_replays(llm: LLM, monkeypatch) -> list[int]:
     replays = [0]
     run = DecodeGraphs.run
 
-    def counted(self, inputs):
-        hidden = run(self, inputs)
+    def counted(self, inputs, edit_ids=None):
+        hidden = run(self, inputs, edit_ids)
         replays[0] += hidden is not None
         return hidden
     monkeypatch.setattr(DecodeGraphs, "run", counted)
@@ -58,9 +58,10 @@ def engine(path, **overrides) -> LLM:
 
 
 def test_graphs_and_eager_equal_hf_at_every_batch_size(reference, monkeypatch):
-    """Each batch size through a graph of its padded size (17 pads to 24 on the CPU's sizes up to 100), and eagerly."""
+    """Each batch size through a graph of its padded size (3 pads to 4), its steps scheduled ahead (async scheduling:
+    their pending input ids filled on the device before the replay), and eagerly, step by step."""
     path, _, prompts, expected = reference
-    graphs, eager = engine(path), engine(path, enforce_eager=True)
+    graphs, eager = engine(path, async_scheduling=True), engine(path, enforce_eager=True, async_scheduling=False)
     assert graphs.engine.runner.graphs is not None and eager.engine.runner.graphs is None
     replays = count_replays(graphs, monkeypatch)
     for batch in BATCHES:

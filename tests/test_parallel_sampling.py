@@ -77,9 +77,9 @@ def test_preemption_takes_the_whole_group(model_dir, chunked):
     scheduler = llm.engine.scheduler
     schedule, steps = scheduler.schedule, []
 
-    def recorded():
+    def recorded(**kwargs):
         running = {r.request_id: r.group_id for r in scheduler.running}
-        plan = schedule()
+        plan = schedule(**kwargs)
         steps.append((running, plan))
         return plan
 

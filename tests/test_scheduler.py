@@ -56,10 +56,10 @@ def schedule(scheduler: Scheduler) -> Scheduled:
 
 
 def sampling_rows(scheduler: Scheduler, plan: StepPlan) -> int:
-    """How many requests the plan's step samples for: those it brings to their last token."""
+    """How many requests the plan's step samples for: those it brings to their last token (schedule() counts the
+    token each will sample as pending)."""
     running = {r.request_id: r for r in scheduler.running}
-    return sum(running[rid].num_computed_tokens + n == running[rid].num_tokens
-               for rid, n in zip(plan.request_ids, plan.num_new_tokens))
+    return sum(1 for rid in plan.request_ids if running[rid].num_pending)
 
 
 def complete(scheduler: Scheduler, output: Scheduled) -> None:

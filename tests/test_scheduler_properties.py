@@ -93,34 +93,36 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.check_cache_contents()
 
     def step(self, data):
-        running_before = list(self.scheduler.running)
+        gaps = {r.request_id: r.num_tokens - r.num_computed_tokens for r in self.scheduler.running}
         head = self.scheduler.waiting[0] if self.scheduler.waiting else None
         plan = self.scheduler.schedule()
         scheduled = dict(zip(plan.request_ids, plan.num_new_tokens))
         running = {r.request_id: r for r in self.scheduler.running}
+        # (schedule() counts the plan's tokens computed as it sends it: each request's step starts before them)
+        starts = {rid: running[rid].num_computed_tokens - num_new for rid, num_new in scheduled.items()}
         preempted = set(plan.preempted_ids)
         # The plan: budget, sequence slots, decodes first, every surviving decode in it.
         assert plan.num_tokens <= BUDGET and len(self.scheduler.running) <= MAX_SEQS
         assert plan.num_new_tokens == sorted(plan.num_new_tokens, key=lambda count: count > 1)
-        for request in running_before:
-            if request.num_tokens - request.num_computed_tokens == 1 and request.request_id not in preempted:
-                assert scheduled.get(request.request_id) == 1, f"decode of {request.request_id} left out"
+        for rid, gap in gaps.items():
+            if gap == 1 and rid not in preempted:
+                assert scheduled.get(rid) == 1, f"decode of {rid} left out"
         # The waiting head is admitted when it clearly fits (nothing preempted, a free sequence slot, budget left).
         if head is not None and head in self.scheduler.waiting and not preempted:
             clearly_fits = (len(self.scheduler.running) < MAX_SEQS and plan.num_tokens < BUDGET
                             and self.kv.num_free_blocks >= (self.kv.blocks_for(head.num_tokens)
                                                             + len(self.scheduler.running) + 1))
             assert not clearly_fits, f"{head.request_id} was not admitted though it fits"
-        self.check_cache_contents()  # a prefix hit taken over at admission holds the request's own tokens
-        # The structured-output rows: one for each constrained request that samples, in sampling order.
-        sampling = [running[rid] for rid in plan.request_ids
-                    if running[rid].num_computed_tokens + scheduled[rid] == running[rid].num_tokens]
+        self.check_cache_contents(starts)  # a prefix hit taken over at admission holds the request's own tokens
+        # The structured-output rows: one for each constrained request that samples (its sampled token pending), in
+        # sampling order.
+        sampling = [running[rid] for rid in plan.request_ids if running[rid].num_pending]
         constrained = [row for row, request in enumerate(sampling) if request.grammar is not None]
         assert (plan.grammar.rows if plan.grammar is not None else []) == constrained
         # The "model": writes each scheduled token's id into its slot, samples a token for each sampling row.
         for rid, num_new in scheduled.items():
             request = running[rid]
-            for position in range(request.num_computed_tokens, request.num_computed_tokens + num_new):
+            for position in range(starts[rid], starts[rid] + num_new):
                 block = self.kv.block_ids(rid)[position // BLOCK_SIZE]
                 self.slots[block * BLOCK_SIZE + position % BLOCK_SIZE] = request.token_ids_slice(position,
                                                                                                 position + 1)[0]
@@ -167,10 +169,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.kv.num_free_blocks + len(holders) == NUM_BLOCKS
 
     @invariant()
-    def check_cache_contents(self):
+    def check_cache_contents(self, computed: dict[str, int] | None = None):
+        """Each running request's computed positions hold its tokens (`computed`: mid-step, each scheduled request's
+        positions before its step)."""
         for request in self.scheduler.running:
             blocks = self.kv.block_ids(request.request_id)
-            for position in range(request.num_computed_tokens):
+            for position in range((computed or {}).get(request.request_id, request.num_computed_tokens)):
                 slot = blocks[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE
                 assert self.slots.get(slot) == request.token_ids_slice(position, position + 1)[0], \
                     f"{request.request_id} position {position}"
@@ -191,8 +195,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             # Each step computes something, unless it preempted (a whole group, say), which the next one re-admits.
             assert plan.request_ids or plan.preempted_ids, "unfinished requests but nothing scheduled or preempted"
             running = {r.request_id: r for r in self.scheduler.running}
-            rows = sum(running[rid].num_computed_tokens + n == running[rid].num_tokens
-                       for rid, n in zip(plan.request_ids, plan.num_new_tokens))
+            rows = sum(1 for rid in plan.request_ids if running[rid].num_pending)
             update = self.scheduler.update(plan, SamplerOutput([1] * rows, [None] * rows))
             for request, _, _ in update.sampled:
                 for sibling in self.held.pop(request.group_id, []) if request.index == 0 else []:

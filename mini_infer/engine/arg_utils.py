@@ -63,6 +63,7 @@ class EngineArgs:
     cpu_kernels: str = _default("cpu_kernels")
     gpu_kernels: str = _default("gpu_kernels")
     enforce_eager: bool = _default("enforce_eager")
+    async_scheduling: bool | None = _default("async_scheduling")
     deterministic: bool = _default("deterministic")
     # parallelism
     tensor_parallel_size: int = _default("tensor_parallel_size")
@@ -109,6 +110,10 @@ class EngineArgs:
                                  "device; on: also in Triton's interpreter on the CPU, for tests; off: torch ops)")
         parser.add_argument("--enforce-eager", action="store_true",
                             help="run every step eagerly: no CUDA graphs for decode steps (README: GPU)")
+        parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                            default=_default("async_scheduling"),
+                            help="plan each step while the previous one runs on the device, its sampled tokens "
+                                 "pending (default: on for one CUDA rank generating without speculative decoding)")
         parser.add_argument("--deterministic", action="store_true",
                             help="batch-invariant numerics: a request's tokens and logprobs (greedy or seeded) are "
                                  "the same alone or in any batch, under preemption, at any chunk budget, with or "

@@ -29,7 +29,8 @@ from mini_infer.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequ
                                 PoolingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput)
 from mini_infer.pooling_params import PoolingParams
 from mini_infer.profiling import profiled
-from mini_infer.runner.model_runner import ModelRunner
+from mini_infer.runner.model_runner import LaunchedStep, ModelRunner
+from mini_infer.runner.plan import StepPlan
 from mini_infer.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -65,6 +66,8 @@ class LLMEngine(EngineClient):
         self.groups: dict[str, RequestGroup] = {}  # requests of n > 1, by their id (their children are in requests)
         self._child_groups: dict[str, str] = {}  # child request id -> its group's
         self._aborted_outputs: list[RequestOutput | PoolingRequestOutput] = []
+        # Async scheduling (EngineConfig.async_scheduling): the step still running on the device, with its plan.
+        self._in_flight: tuple[StepPlan, LaunchedStep | None] | None = None
 
     @property
     def runner(self) -> ModelRunner:
@@ -160,15 +163,36 @@ class LLMEngine(EngineClient):
     # ---- the loop ----
 
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
-        """Run one scheduled step; return the outputs of the requests it advanced (and of aborted ones)."""
+        """Run one scheduled step; return the outputs of the requests it advanced (and of aborted ones).
+
+        With async scheduling the step is launched and left running on the device: the next call schedules and
+        launches the one after it (its requests' sampled tokens pending) before it collects this one's tokens and
+        makes its outputs, so that the host's work overlaps the device's. A step that needs the tokens before it
+        (Scheduler.can_run_ahead) waits for them first."""
         outputs, self._aborted_outputs = self._aborted_outputs, []
+        running, self._in_flight = self._in_flight, None
+        if running is not None and not self.scheduler.can_run_ahead():
+            outputs += self._finish(*running)
+            running = None
         with profiled("scheduler"):
-            plan = self.scheduler.schedule()
+            plan = self.scheduler.schedule(run_ahead=running is not None)
+        launched = None
         if plan.request_ids or plan.finished_ids or plan.preempted_ids:  # (a plan may only say who left)
-            sampled = self.executor.execute(plan)
-            with profiled("scheduler"):
-                outputs += self._outputs(self.scheduler.update(plan, sampled))
+            launched = plan, self.executor.launch(plan)
+        if running is not None:
+            outputs += self._finish(*running)
+        if launched is not None:
+            if self.config.runs_ahead and plan.request_ids:
+                self._in_flight = launched
+            else:
+                outputs += self._finish(*launched)
         return self._grouped(outputs)
+
+    def _finish(self, plan: StepPlan, launched: LaunchedStep | None) -> list[RequestOutput | PoolingRequestOutput]:
+        """A launched step's outputs, once its tokens are in."""
+        sampled = self.executor.collect(launched)
+        with profiled("scheduler"):
+            return self._outputs(self.scheduler.update(plan, sampled))
 
     def _outputs(self, update: StepUpdate) -> list[RequestOutput | PoolingRequestOutput]:
         """The step's outputs: each request that sampled, its logprobs recorded (a group's first completion's first

@@ -14,6 +14,11 @@ from mini_infer.pooling_params import PoolingParams
 from mini_infer.sampling_params import SamplingParams
 
 
+# The id a pending token (Request.num_pending) stands under in the runners' batch until its step's sample replaces it on
+# the device (runner/model_runner.py); never a vocabulary id.
+PLACEHOLDER = -1
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -37,7 +42,10 @@ class Request:
     detokenizer: IncrementalDetokenizer | None
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache (or scheduled to be: Scheduler.schedule)
+    # Tokens sampled by scheduled steps whose results are not in yet (1 between a step's schedule() and its update();
+    # 2 while the next step runs ahead of it: engine/llm_engine.py). They count among num_tokens as placeholders.
+    num_pending: int = 0
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     stop_reason: int | str | None = None
@@ -82,15 +90,18 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
-        """all_token_ids[start:end] without building all_token_ids (O(end - start), not O(num_tokens))."""
-        num_prompt = len(self.prompt_token_ids)
+        """all_token_ids[start:end] without building all_token_ids (O(end - start), not O(num_tokens)); a pending
+        token's position holds PLACEHOLDER."""
+        num_prompt, num_known = len(self.prompt_token_ids), len(self.prompt_token_ids) + len(self.output_token_ids)
+        if end > num_known:
+            return self.token_ids_slice(start, num_known) + [PLACEHOLDER] * (end - max(start, num_known))
         if end <= num_prompt:
             return self.prompt_token_ids[start:end]
         if start >= num_prompt:

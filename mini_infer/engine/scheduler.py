@@ -97,6 +97,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
         self._num_constrained = 0  # unfinished requests with a structured-output grammar
+        self._num_penalised = 0  # unfinished requests with repetition, frequency or presence penalties
         # What the runners' batch holds of each request in it, as last sent.
         self._sent: dict[str, _Sent] = {}
         # Speculative decoding: its config, and the longest a request may grow (a draft model's lookahead stays within)
@@ -122,14 +123,25 @@ class Scheduler:
             if self.vocab_size is None:
                 raise ValueError("a structured-output request needs the scheduler's vocab_size (its bitmask width)")
             self._num_constrained += 1
+        if _penalised(request):
+            self._num_penalised += 1
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def can_run_ahead(self) -> bool:
+        """Whether the next step may be scheduled before the running one's tokens are known (its sampled tokens then
+        pending): not where a step needs the tokens before it on the host, which a structured-output grammar (its
+        bitmask), penalties (the tokens seen) and speculative decoding (the drafts) do."""
+        return not (self._num_constrained or self._num_penalised or self.speculative is not None)
+
     # ---- the step ----
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, run_ahead: bool = False) -> StepPlan:
+        """The next step. run_ahead: a step is still running (its requests' sampled tokens pending); this one never
+        preempts (a request it has no blocks for waits for a step) and leaves out the requests whose pending token is
+        their last."""
         now = self._clock()
         if self._timed is not None:  # the last step ran from its schedule() to this one
             self.step_cost.observe(self._timed, now - self._timed_at)
@@ -148,7 +160,8 @@ class Scheduler:
         # Decode tokens ahead of prompt chunks (a stable sort keeps admission order within each).
         for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
             # (one preempted in this loop, as a victim or a victim's sibling, is waiting again)
-            if budget <= 0 or request.status is not RequestStatus.RUNNING:
+            if budget <= 0 or request.status is not RequestStatus.RUNNING or (
+                    request.num_pending and request.num_output_tokens + request.num_pending >= request.max_tokens):
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new > 1:
@@ -158,7 +171,7 @@ class Scheduler:
             drafts = self._drafts(request, budget) if num_new == 1 and request.spec_token_ids else []
             num_new += len(drafts)
             samples = request.num_computed_tokens + num_new == request.num_tokens + len(drafts)
-            if self._grow_or_preempt(request, num_new, plan):
+            if self._grow_or_preempt(request, num_new, plan, preempt=not run_ahead):
                 self._plan_add(plan, request, num_new, drafts, self._drafts_to_propose(request, num_new, samples))
                 shape.add(num_new, request.num_computed_tokens, request.num_prompt_tokens)
                 budget -= num_new
@@ -172,13 +185,15 @@ class Scheduler:
             self._plan_add(plan, request, num_new, [], propose)
             shape.add(num_new, request.num_computed_tokens, request.num_prompt_tokens)
             budget -= num_new
-        self._order(plan)
+        requests = {r.request_id: r for r in self.running}
+        self._order(plan, requests)
         if self.step_cost is not None and plan.request_ids:
             # (a preemption took requests back out of the plan after they were counted: count the plan again)
-            self._timed = shape if len(self._preempted) == preempted_before else self._shape(plan)
+            self._timed = shape if len(self._preempted) == preempted_before else self._shape(plan, requests)
             self._timed_at = now
         if self._num_constrained:
-            plan.grammar = self._grammar_bitmask(plan)
+            plan.grammar = self._grammar_bitmask(plan, requests)
+        self._commit(plan, requests)
         plan.finished_ids, self._left = self._left, []
         plan.preempted_ids, self._preempted = self._preempted, []
         return plan
@@ -196,23 +211,33 @@ class Scheduler:
         proposing = drafted = 0
         decode_only = True  # every request of the step decoded or verified (the rows DraftCost prices)
         requests = {request.request_id: request for request in self.running}
+        emitting = set(plan.emitting)
         for request_id, num_new in zip(plan.request_ids, plan.num_new_tokens):
-            request = requests[request_id]
+            request = requests.get(request_id)
             num_drafts = len(plan.spec_token_ids.get(request_id, ()))
-            decode_only &= num_new == num_drafts + 1 and request.num_output_tokens > 0
-            if request.num_computed_tokens + num_new < request.num_tokens + num_drafts:
-                request.num_computed_tokens += num_new  # a prompt chunk with more to come: nothing sampled
-                self.kv_cache.cache_blocks(request_id, request.token_ids_slice, request.num_computed_tokens)
+            if request_id not in emitting:  # a prompt chunk with more to come: nothing sampled
+                if request is not None:
+                    self._cache_blocks(request)
                 continue
+            if request is None:  # finished or aborted while the step ran (the next was scheduled ahead of this update)
+                if generated:
+                    for _ in range(next(emitted, 1)):
+                        next(rows)
+                    next(proposals, None)
+                else:
+                    next(values)
+                continue
+            decode_only &= num_new == num_drafts + 1 and request.num_output_tokens > 0
             if request.pooling:
-                request.num_computed_tokens += num_new
-                self.kv_cache.cache_blocks(request_id, request.token_ids_slice, request.num_computed_tokens)
+                self._cache_blocks(request)
                 update.pooled.append((request, next(values)))
                 self.finish(request, RequestStatus.FINISHED_STOPPED)
                 update.finished.append(request)
                 continue
+            request.num_pending -= 1
             count = next(emitted, 1)  # the request's last token and its accepted drafts are computed, no more
-            computed = request.num_computed_tokens + num_new - num_drafts + count - 1
+            # (schedule() counted the step's tokens computed: a rejected draft's position is not after all)
+            computed = request.num_computed_tokens - num_drafts + count - 1
             for _ in range(count):
                 token_id, logprobs = next(rows)
                 if request.finished:  # (a stop among the accepted drafts: the rest are dropped)
@@ -222,7 +247,7 @@ class Scheduler:
                 update.sampled.append((request, token_id, logprobs))
             # (after the tokens are appended: a block registers the tokens it holds; none past a stop)
             request.num_computed_tokens = min(computed, request.num_tokens)
-            self.kv_cache.cache_blocks(request_id, request.token_ids_slice, request.num_computed_tokens)
+            self._cache_blocks(request)
             if num_drafts:
                 self.spec_stats.record(num_drafts, count - 1)
                 request.draft_policy.observe(num_drafts, count - 1)
@@ -243,6 +268,13 @@ class Scheduler:
                               plan.num_tokens if decode_only else 0)
         return update
 
+    def _cache_blocks(self, request: Request) -> None:
+        """Register the request's blocks full of computed tokens in the prefix cache (none holding a pending token:
+        its id is not known yet; a step scheduled ahead may still be computing the last of them, and every later step
+        reads them after it)."""
+        self.kv_cache.cache_blocks(request.request_id, request.token_ids_slice,
+                                   min(request.num_computed_tokens, request.num_tokens - request.num_pending))
+
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Retire a running or waiting request and return its blocks at once."""
         request.status = status
@@ -252,6 +284,8 @@ class Scheduler:
             self.waiting.remove(request)
         if request.grammar is not None:
             self._num_constrained -= 1
+        if _penalised(request):
+            self._num_penalised -= 1
         self.kv_cache.free(request.request_id)
         self._sent.pop(request.request_id, None)
         self._left.append(request.request_id)
@@ -282,9 +316,8 @@ class Scheduler:
                 over = mid
         return fits if shape.prompt_tokens else max(fits, min(MIN_PROMPT_CHUNK, num_new))
 
-    def _shape(self, plan: StepPlan) -> StepShape:
+    def _shape(self, plan: StepPlan, requests: dict[str, Request]) -> StepShape:
         """The shape of the step as planned (after any preemption took requests back out)."""
-        requests = {r.request_id: r for r in self.running}
         shape = StepShape()
         for rid, num_new in zip(plan.request_ids, plan.num_new_tokens):
             request = requests[rid]
@@ -367,10 +400,13 @@ class Scheduler:
         self.running.append(request)
         return num_new, propose
 
-    def _grow_or_preempt(self, request: Request, num_slots: int, plan: StepPlan) -> bool:
+    def _grow_or_preempt(self, request: Request, num_slots: int, plan: StepPlan, preempt: bool = True) -> bool:
         """Slots for the request's next `num_slots` tokens, preempting the most recently admitted running requests
-        (each with its group) until there are; False when the request itself had to go."""
+        (each with its group) until there are; False when the request itself had to go (or, without `preempt`, when
+        there are none: it waits)."""
         while not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + num_slots):
+            if not preempt:
+                return False
             victim = self.running.pop()
             group = [victim]
             if victim.group_id is not None:
@@ -384,6 +420,7 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
+        assert not request.num_pending, request.request_id  # (a step scheduled ahead never preempts)
         self.kv_cache.free(request.request_id)
         self._sent.pop(request.request_id, None)
         self._preempted.append(request.request_id)
@@ -436,26 +473,33 @@ class Scheduler:
                         plan.computed_tokens, plan.kept_blocks):
             entries.pop(rid, None)
 
-    def _order(self, plan: StepPlan) -> None:
+    def _order(self, plan: StepPlan, requests: dict[str, Request]) -> None:
         """The batch order the runners take: requests computing one token first (the decodes; an admitted prompt of
-        one token too), then the rest; and whether any prompt is computed."""
-        requests = {r.request_id: r for r in self.running}
+        one token too), then the rest; whether any prompt is computed; and the requests whose step computes their
+        last token (with the drafts it verifies), which sample (or pool) in it."""
         order = sorted(range(len(plan.request_ids)), key=lambda i: plan.num_new_tokens[i] > 1)
         plan.request_ids = [plan.request_ids[i] for i in order]
         plan.num_new_tokens = [plan.num_new_tokens[i] for i in order]
         plan.is_prefill = any(requests[rid].num_computed_tokens < requests[rid].num_prompt_tokens
                               for rid in plan.request_ids)
+        plan.emitting = [rid for rid, num_new in zip(plan.request_ids, plan.num_new_tokens)
+                         if requests[rid].num_computed_tokens + num_new
+                         >= requests[rid].num_tokens + len(plan.spec_token_ids.get(rid, ()))]
 
-    def _grammar_bitmask(self, plan: StepPlan) -> GrammarBitmask | None:
-        """The tokens each structured-output request that samples in this step may take (None if none samples)."""
-        requests = {r.request_id: r for r in self.running}
-        # In the sampled logits' order: the requests whose step computes their last token (as update reads them),
-        # each with the drafts it verifies (a row for its last token, then one after each draft).
-        sampling = []
+    def _commit(self, plan: StepPlan, requests: dict[str, Request]) -> None:
+        """Count the plan's tokens computed as it goes out, and the token each request that samples in it gets as
+        pending (update() replaces it with the sampled one): a step scheduled before this one's update sees both."""
         for rid, num_new in zip(plan.request_ids, plan.num_new_tokens):
-            request, drafts = requests[rid], plan.spec_token_ids.get(rid, [])
-            if request.num_computed_tokens + num_new >= request.num_tokens + len(drafts):
-                sampling.append((request, drafts))
+            requests[rid].num_computed_tokens += num_new
+        for rid in plan.emitting:
+            if not requests[rid].pooling:
+                requests[rid].num_pending += 1
+
+    def _grammar_bitmask(self, plan: StepPlan, requests: dict[str, Request]) -> GrammarBitmask | None:
+        """The tokens each structured-output request that samples in this step may take (None if none samples)."""
+        # In the sampled logits' order: the requests that sample, each with the drafts it verifies (a row for its
+        # last token, then one after each draft).
+        sampling = [(requests[rid], plan.spec_token_ids.get(rid, [])) for rid in plan.emitting]
         if not any(request.grammar is not None for request, _ in sampling):
             return None
         bitmask = allocate_bitmask(sum(1 + len(drafts) for _, drafts in sampling), self.vocab_size)
@@ -506,6 +550,10 @@ class SchedulerStats:
     def idle(cls) -> SchedulerStats:
         """A scheduler that has run nothing yet."""
         return cls(0, 0, 0.0, 0, 0, 0, SpecDecodeStats())
+
+
+def _penalised(request: Request) -> bool:
+    return not request.pooling and request.params.uses_penalties
 
 
 def _advance_grammar(request: Request, token_id: int) -> bool:

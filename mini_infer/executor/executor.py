@@ -1,7 +1,8 @@
 """Executors: how an engine runs a step on its model, one interface whether the model is in this process alone or
 spread over ranks this process leads (rank 0 broadcasts the plan, then runs its own shard like every other rank).
 
-`create_executor` picks one; the engine calls execute / check_health / memory_stats / shutdown and never asks which.
+`create_executor` picks one; the engine calls launch / collect / check_health / memory_stats / shutdown and never asks
+which (execute: launch, then collect).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from mini_infer.config import EngineConfig
 from mini_infer.distributed.comm import Comm
 from mini_infer.errors import WorkerDiedError
 from mini_infer.executor.ranks import Ranks
-from mini_infer.runner.model_runner import ModelRunner
+from mini_infer.runner.model_runner import LaunchedStep, ModelRunner
 from mini_infer.runner.plan import StepPlan
 from mini_infer.runner.pooler import PoolerOutput
 from mini_infer.runner.sampler import SamplerOutput
@@ -26,6 +27,13 @@ class LocalExecutor:
 
     def execute(self, plan: StepPlan) -> SamplerOutput | PoolerOutput | None:
         return self.runner.execute(plan)
+
+    def launch(self, plan: StepPlan) -> LaunchedStep | None:
+        """Queue the step on the device (the host goes on while it runs)."""
+        return self.runner.launch(plan)
+
+    def collect(self, launched: LaunchedStep | None) -> SamplerOutput | PoolerOutput | None:
+        return self.runner.collect(launched)
 
     def check_health(self) -> None:
         """Nothing can fail apart from this process."""
@@ -59,6 +67,13 @@ class RankExecutor:
         except BaseException as e:  # the workers are stopped: this engine cannot step again
             self._failure = e if isinstance(e, WorkerDiedError) else WorkerDiedError(f"a step failed: {e!r}")
             raise
+
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """The step run to its end (ranks step together: no step is scheduled ahead here)."""
+        return LaunchedStep(self.execute(plan))
+
+    def collect(self, launched: LaunchedStep) -> SamplerOutput | PoolerOutput | None:
+        return launched.output
 
     def check_health(self) -> None:
         """Raise WorkerDiedError if a step failed or a worker rank has exited."""

@@ -180,9 +180,11 @@ class DecodeGraphs:
                     self.sizes[-1], report.seconds, f", {memory / 2**20:.0f} MiB" if memory is not None else "")
         return report
 
-    def run(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def run(self, inputs: StepInputs, edit_ids: Callable[[torch.Tensor, StepInputs], None] | None = None,
+            ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The layers' outputs (hidden, residual) for a decode step's n rows from its graph, or None where the step is
-        not one a graph holds (a prompt chunk in it, or more requests than the largest size)."""
+        not one a graph holds (a prompt chunk in it, or more requests than the largest size). edit_ids(ids, inputs)
+        may change the static input ids of the n rows on the device before the replay."""
         n = inputs.num_tokens
         if inputs.num_decodes != len(inputs.context_lens_host) or n != inputs.num_decodes:
             return None
@@ -190,6 +192,8 @@ class DecodeGraphs:
         if size is None:
             return None
         self.static.fill(inputs, size)
+        if edit_ids is not None:
+            edit_ids(self.static.device["input_ids"][:n], inputs)
         graph = self.graphs[size]
         graph.replay()
         hidden, residual = graph.outputs

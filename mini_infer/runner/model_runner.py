@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import resource
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,6 +29,16 @@ from mini_infer.runner.plan import StepPlan
 from mini_infer.runner.pooler import Pooler, PoolerOutput
 from mini_infer.runner.sampler import Sampler, SamplerOutput, prompt_logprobs
 from mini_infer.runner.spec_decode import Speculator
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step whose work is queued on the device: its output, whose sampled token ids (when `tokens` is set) are still
+    on their way to the host (ModelRunner.collect waits for them)."""
+
+    output: SamplerOutput | PoolerOutput | None
+    tokens: torch.Tensor | None = None  # the sampled ids, in host memory once `copied` has completed
+    copied: torch.cuda.Event | None = None  # (CUDA) the copy of `tokens` to the host
 
 
 class ModelRunner:
@@ -73,6 +84,16 @@ class ModelRunner:
         if self.ops.graph_safe and not config.enforce_eager and config.world_size == 1 and mc.moe is None:
             self.graphs = DecodeGraphs(self._decode_layers, config.max_num_seqs, config.max_blocks_per_seq, device)
             self.graph_report = self.graphs.capture()
+        # Async scheduling (EngineConfig.async_scheduling): a step may be planned before the one before it has sampled,
+        # its decode rows' input ids then PLACEHOLDER, replaced on the device by the tokens of the last sampling step
+        # (held here with each slot's row in them). The ids reach the host through two pinned buffers in turn (the next
+        # step's copy must not overwrite those the engine has yet to read).
+        self.runs_ahead = self.sampler is not None and config.runs_ahead
+        if self.runs_ahead:
+            self._last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=device)
+            self._row_of_slot = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=device)
+        self._host_tokens = [torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=True)
+                             for _ in range(2)] if device.type == "cuda" and self.sampler is not None else []
 
     def _decode_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                        block_tables: torch.Tensor, context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,6 +127,21 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> SamplerOutput | PoolerOutput | None:
         """Run one step; rank 0 returns the sampled tokens of the requests that sample, or a pooling model's values
         of the requests whose prompt it finishes (None if there are none)."""
+        return self.collect(self.launch(plan))
+
+    def collect(self, launched: LaunchedStep | None) -> SamplerOutput | PoolerOutput | None:
+        """A launched step's output, once its sampled token ids are on the host."""
+        if launched is None:
+            return None
+        if launched.tokens is not None:
+            if launched.copied is not None:
+                launched.copied.synchronize()
+            launched.output.token_ids = launched.tokens.tolist()
+        return launched.output
+
+    def launch(self, plan: StepPlan) -> LaunchedStep | None:
+        """Queue one step's work; on a CUDA device the host goes on while it runs, up to the logprobs (or drafts) of
+        requests that asked for them. collect() gives its output."""
         with profiled("input_prep"):
             inputs = self.prepare(plan)
         if inputs is None:
@@ -114,10 +150,11 @@ class ModelRunner:
             logits = self.forward(inputs)
         if self.pooler is not None:
             with profiled("pooling"):
-                return self.pooler(logits, inputs)
+                return LaunchedStep(self.pooler(logits, inputs))
         if self.sampler is None or not (inputs.sampling_slots or inputs.prompt_owners):
             return None
         num_sampled = len(inputs.sampling_slots) + sum(inputs.num_drafts)  # (a verifying request: 1 + k rows)
+        launched = LaunchedStep(None)
         with profiled("sampling"):
             if not num_sampled:
                 sampled = SamplerOutput([], [])
@@ -125,7 +162,9 @@ class ModelRunner:
                 sampled = self.speculator.sample(self.sampler, logits[:num_sampled], inputs, self.input_batch,
                                                  plan.grammar)
             else:
-                sampled = self.sampler(logits[:num_sampled], inputs.sampling_slots, plan.grammar)
+                tokens, logprobs = self.sampler.sample(logits[:num_sampled], inputs.sampling_slots, plan.grammar)
+                sampled = SamplerOutput([], logprobs)
+                launched.tokens, launched.copied = self._tokens_to_host(tokens, inputs.sampling_slots)
             if inputs.prompt_owners:
                 sampled.prompt_logprobs = prompt_logprobs(logits[num_sampled:], inputs.prompt_targets,
                                                           inputs.prompt_owners, self.sampler.vocab_size,
@@ -136,14 +175,40 @@ class ModelRunner:
                 sampled.draft_token_ids = self.speculator.propose(plan, inputs, self.input_batch,
                                                                   sampled.num_emitted)
                 sampled.draft_seconds = time.perf_counter() - start
-        return sampled
+        launched.output = sampled
+        return launched
+
+    def _tokens_to_host(self, tokens: torch.Tensor, slots: list[int]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Keep a step's sampled ids for the next step's pending inputs (when steps run ahead), and start their copy
+        to the host: on a CUDA device into the pinned buffer of this step's turn, behind an event."""
+        if self.runs_ahead:
+            self._last_tokens[: len(slots)] = tokens
+            self._row_of_slot[torch.tensor(slots).to(self.device, non_blocking=True)] = torch.arange(
+                len(slots), device=self.device)
+        if not self._host_tokens:
+            return tokens, None
+        self._host_tokens.reverse()
+        host = self._host_tokens[0][: len(slots)]
+        host.copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return host, copied
+
+    def _fill_pending(self, input_ids: torch.Tensor, step: StepInputs) -> None:
+        """Replace, in place on the device, the PLACEHOLDER input ids of the step's decode rows (the leading ones) with
+        the tokens their requests sampled in the step before, which the host has not seen yet."""
+        if not self.runs_ahead or not step.num_decodes:
+            return
+        rows = input_ids[: step.num_decodes]
+        slots = torch.tensor(step.slots[: step.num_decodes]).to(self.device, non_blocking=True)
+        rows.copy_(torch.where(rows < 0, self._last_tokens[self._row_of_slot[slots]], rows))
 
     @torch.inference_mode()
     def forward(self, step: StepInputs) -> torch.Tensor | None:
         """Run this rank's part of the step; rank 0 gets the logits [num_reqs, >= vocab] (an embedding model: the
         final norm's hidden states of the rows it pools), the others None."""
         to = dict(device=self.device, non_blocking=True)
-        hidden = self.graphs.run(step) if self.graphs is not None else None
+        hidden = self.graphs.run(step, self._fill_pending) if self.graphs is not None else None
         if hidden is not None:
             return self._last_stage_output(*hidden, step)
         meta = attention_metadata(step.slot_mapping, step.block_tables, step.context_lens, step.positions,
@@ -151,7 +216,8 @@ class ModelRunner:
                                   self.config.deterministic)
         comm, shard = self.comm, self.comm.shard
         if shard.first_stage:
-            inputs = step.input_ids.to(**to)
+            inputs = step.input_ids.to(**to)  # (the step's own tensor: a gather from the batch's rows)
+            self._fill_pending(inputs, step)
         else:
             inputs = comm.recv_hidden(step.num_tokens, self.config.model_config.hidden_size,
                                       self.config.torch_dtype, self.device)

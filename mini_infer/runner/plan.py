@@ -48,6 +48,10 @@ class StepPlan:
     is_prefill: bool = False  # a prompt (or part of one) is computed in this step
     request_ids: list[str] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)  # tokens computed this step, per request
+    # The requests whose step computes their last token (and any drafts they verify), in batch order: those that
+    # sample (or pool) in it. Where a token is pending (Request.num_pending: sampled by the step before, not yet
+    # known on the host) the request's tokens carry PLACEHOLDER, which rank 0 replaces on the device.
+    emitting: list[str] = field(default_factory=list)
     new_requests: list[NewRequest] = field(default_factory=list)
     # Requests already in the batch that gained tokens (their sampled ones) or blocks since they last ran.
     new_token_ids: dict[str, list[int]] = field(default_factory=dict)

@@ -183,6 +183,13 @@ class Sampler:
         """Sample one token for each row of `logits`, row i belonging to the request in slots[i]; `grammar` limits
         the tokens of its rows; `ahead[i]`: output tokens row i follows past those its slot has counted (a verify
         step's drafts before that row's position), which its penalties count."""
+        tokens, logprobs = self.sample(logits, slots, grammar, ahead)
+        return SamplerOutput(tokens.tolist(), logprobs)
+
+    def sample(self, logits: torch.Tensor, slots: list[int], grammar: GrammarBitmask | None = None,
+               ahead: list[list[int]] | None = None) -> tuple[torch.Tensor, list]:
+        """__call__'s tokens as a tensor on the logits' device (the host waits for nothing unless a row asked for
+        logprobs), with the rows' logprobs."""
         params = [self._params[s] for s in slots]
         # The sampler's own copy when anything below edits it in place (the caller's logits stay as they are).
         biased = any(self._bias[s] is not None for s in slots)
@@ -190,10 +197,10 @@ class Sampler:
                  or any(self._under_min(slots, ahead)))
         wants_logprobs = any(p.logprobs is not None for p in params)
         if not edits and not wants_logprobs:  # plain greedy: the argmax of the logits as they are
-            return SamplerOutput(self.argmax(logits[:, : self.vocab_size]).tolist(), [None] * len(params))
+            return self.argmax(logits[:, : self.vocab_size]), [None] * len(params)
         if (self.top_k is not None and not self.invariant and not wants_logprobs and not biased and grammar is None
                 and all(p.greedy or self._kept(p) <= CANDIDATES for p in params)):
-            return SamplerOutput(self._sample_top_k(logits, slots, params, ahead).tolist(), [None] * len(params))
+            return self._sample_top_k(logits, slots, params, ahead), [None] * len(params)
         work = logits[:, : self.vocab_size].to(torch.promote_types(logits.dtype, torch.float32), copy=edits)
         raw_logprobs = torch.log_softmax(work, dim=-1) if wants_logprobs else None
         if grammar is not None:
@@ -207,7 +214,7 @@ class Sampler:
             tokens = self.argmax(work)
         else:
             tokens = self._sample(work, slots, params)
-        return SamplerOutput(tokens.tolist(), _gather_logprobs(raw_logprobs, tokens, params, self.largest))
+        return tokens, _gather_logprobs(raw_logprobs, tokens, params, self.largest)
 
     def apply_grammar(self, logits: torch.Tensor, grammar: GrammarBitmask) -> torch.Tensor:
         """The structured-output bitmask, in place: natively over float32 logits where the runner has the kernel."""
