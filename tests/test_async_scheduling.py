@@ -127,22 +127,26 @@ def test_an_abort_while_its_step_runs_loses_nothing_else(reference):
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
 
 
-@pytest.mark.parametrize("extra", [dict(repetition_penalty=1.3),
-                                   dict(structured_outputs=StructuredOutputsParams(regex="[0-9]+"))])
-def test_steps_that_need_the_tokens_before_them_wait_for_them(tiny_model_dir, monkeypatch, extra):
+@pytest.mark.parametrize("constraint", ["penalties", "grammar"])
+def test_steps_that_need_the_tokens_before_them_wait_for_them(reference, tiny_model_dir, monkeypatch, constraint):
     """With a penalised or constrained request unfinished, no step is scheduled ahead; its outputs are the synchronous
-    engine's."""
+    engine's. (A grammar needs a tokenizer: the tiny preset's.)"""
+    if constraint == "penalties":
+        path, prompts, extra = reference[0], reference[1][:2], dict(repetition_penalty=1.3)
+    else:
+        path, prompts = str(tiny_model_dir), ["one two", "three"]
+        extra = dict(structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
     params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, **extra)]
 
     def run(async_scheduling: bool):
-        llm = LLM(str(tiny_model_dir), dtype="float32", async_scheduling=async_scheduling)
-        return [o.outputs[0].token_ids for o in llm.generate(["one two", "three"], params, use_tqdm=False)]
+        llm = LLM(path, dtype="float32", async_scheduling=async_scheduling)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
     synchronous = run(False)
     counts = counted(monkeypatch)
     assert run(True) == synchronous
-    assert counts["ahead"] == 0 and counts["filled"] == 0
+    assert counts["ahead"] == 0 and counts["filled"] == 0 and counts["sync"] > 0
 
 
 def test_async_scheduling_is_refused_where_it_cannot_run_and_off_by_default_on_the_cpu(reference):

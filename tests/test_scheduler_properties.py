@@ -1,12 +1,14 @@
 """A hypothesis state machine over the real Scheduler and KVCacheManager in the engine's default configuration (chunked
 prefill, prefix caching) with a cache small enough to preempt: requests with shared prefixes, groups of n > 1 (the
 rest of a group joins when its first completion has sampled, as the engine adds them), structured-output requests,
-stop tokens, aborts. The "model" writes each scheduled token's id into a shadow of the cache slots.
+stop tokens, aborts; steps scheduled ahead of the last one's update (async scheduling), their pending tokens' ids
+filled from the step before's samples. The "model" writes each scheduled token's id into a shadow of the cache slots.
 
 Checked after every rule: blocks are conserved and each block's reference count is the number of requests holding
 it; every running request's slots for positions [0, num_computed_tokens) hold exactly its tokens (so a prefix-cache
 hit is only ever on equal token ids); a plan keeps the token budget and max_num_seqs, puts decodes first, schedules
-every running decode that was not preempted, and admits the waiting queue's head whenever it clearly fits (no
+every running decode that was not preempted (ahead: preempts nothing, leaves out a decode only for want of a block
+or where its pending token is its last), and admits the waiting queue's head whenever it clearly fits (no
 request starves); the structured-output bitmask has a row exactly for each constrained request that samples; a
 finished or aborted request holds no block and sits in no queue.
 """
@@ -20,7 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from mini_infer.engine.kv_cache import KVCacheManager
-from mini_infer.engine.request import Request, RequestStatus
+from mini_infer.engine.request import PLACEHOLDER, Request, RequestStatus
 from mini_infer.engine.scheduler import Scheduler
 from mini_infer.runner.sampler import SamplerOutput
 from mini_infer.sampling_params import SamplingParams
@@ -59,6 +61,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.held: dict[str, list[Request]] = {}  # group id -> completions that join after the first samples
         self.gone: list[Request] = []  # finished or aborted
         self.ids = itertools.count()
+        self.in_flight = None  # (plan, its sampled tokens): a step scheduled ahead of, its update not yet run
 
     # ---- rules ----
 
@@ -85,28 +88,39 @@ class SchedulerMachine(RuleBasedStateMachine):
         if requests[1:]:
             self.held[group] = requests[1:]
 
-    @rule(data=st.data(), count=st.integers(1, 4))
-    def steps(self, data, count):
+    @rule(data=st.data(), count=st.integers(1, 4), ahead=st.booleans())
+    def steps(self, data, count, ahead):
+        """`count` steps; with `ahead`, each scheduled before the last one's update (async scheduling) where the
+        scheduler allows it."""
         for _ in range(count):
-            self.step(data)
+            self.step(data, ahead)
             self.blocks_are_conserved_and_counted_exactly()
             self.check_cache_contents()
 
-    def step(self, data):
+    def step(self, data, ahead=False):
+        if self.in_flight is not None and not (ahead and self.scheduler.can_run_ahead()):
+            self.finish(*self.in_flight)
+            self.in_flight = None
+        run_ahead = self.in_flight is not None
         gaps = {r.request_id: r.num_tokens - r.num_computed_tokens for r in self.scheduler.running}
+        pending = {r.request_id: r.num_pending for r in self.scheduler.running}
         head = self.scheduler.waiting[0] if self.scheduler.waiting else None
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(run_ahead=run_ahead)
         scheduled = dict(zip(plan.request_ids, plan.num_new_tokens))
         running = {r.request_id: r for r in self.scheduler.running}
         # (schedule() counts the plan's tokens computed as it sends it: each request's step starts before them)
         starts = {rid: running[rid].num_computed_tokens - num_new for rid, num_new in scheduled.items()}
         preempted = set(plan.preempted_ids)
-        # The plan: budget, sequence slots, decodes first, every surviving decode in it.
+        # The plan: budget, sequence slots, decodes first, every surviving decode in it (scheduled ahead: none
+        # preempted, and a decode left out only where its pending token is its last or no block is free).
         assert plan.num_tokens <= BUDGET and len(self.scheduler.running) <= MAX_SEQS
         assert plan.num_new_tokens == sorted(plan.num_new_tokens, key=lambda count: count > 1)
+        assert not (run_ahead and preempted)
         for rid, gap in gaps.items():
-            if gap == 1 and rid not in preempted:
-                assert scheduled.get(rid) == 1, f"decode of {rid} left out"
+            if gap == 1 and rid not in preempted and rid not in scheduled:
+                request = running[rid]
+                assert run_ahead and (request.num_output_tokens + request.num_pending >= request.max_tokens
+                                      or self.kv.num_free_blocks == 0), f"decode of {rid} left out"
         # The waiting head is admitted when it clearly fits (nothing preempted, a free sequence slot, budget left).
         if head is not None and head in self.scheduler.waiting and not preempted:
             clearly_fits = (len(self.scheduler.running) < MAX_SEQS and plan.num_tokens < BUDGET
@@ -114,19 +128,31 @@ class SchedulerMachine(RuleBasedStateMachine):
                                                             + len(self.scheduler.running) + 1))
             assert not clearly_fits, f"{head.request_id} was not admitted though it fits"
         self.check_cache_contents(starts)  # a prefix hit taken over at admission holds the request's own tokens
-        # The structured-output rows: one for each constrained request that samples (its sampled token pending), in
+        # The structured-output rows: one for each constrained request that samples (one more token pending), in
         # sampling order.
-        sampling = [running[rid] for rid in plan.request_ids if running[rid].num_pending]
+        sampling = [running[rid] for rid in plan.request_ids if running[rid].num_pending > pending.get(rid, 0)]
         constrained = [row for row, request in enumerate(sampling) if request.grammar is not None]
         assert (plan.grammar.rows if plan.grammar is not None else []) == constrained
-        # The "model": writes each scheduled token's id into its slot, samples a token for each sampling row.
+        # The "model": writes each scheduled token's id into its slot (a pending one's is the step before's sample,
+        # as the runner fills it on the device), samples a token for each sampling row.
+        drawn = dict(zip(self.in_flight[0].emitting, self.in_flight[1])) if run_ahead else {}
         for rid, num_new in scheduled.items():
             request = running[rid]
             for position in range(starts[rid], starts[rid] + num_new):
                 block = self.kv.block_ids(rid)[position // BLOCK_SIZE]
-                self.slots[block * BLOCK_SIZE + position % BLOCK_SIZE] = request.token_ids_slice(position,
-                                                                                                position + 1)[0]
+                token = request.token_ids_slice(position, position + 1)[0]
+                self.slots[block * BLOCK_SIZE + position % BLOCK_SIZE] = drawn[rid] if token == PLACEHOLDER else token
         tokens = [data.draw(st.integers(0, VOCAB - 1)) for _ in sampling]
+        if run_ahead:
+            self.finish(*self.in_flight)
+        self.in_flight = None
+        if ahead and plan.request_ids:
+            self.in_flight = plan, tokens
+        else:
+            self.finish(plan, tokens)
+
+    def finish(self, plan, tokens) -> None:
+        """The update of a step the "model" has run, with the tokens it sampled."""
         update = self.scheduler.update(plan, SamplerOutput(tokens, [None] * len(tokens)))
         for request, _, _ in update.sampled:
             if request.group_id in self.held and request.index == 0 and request.num_output_tokens == 1:
@@ -188,6 +214,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def teardown(self):
         """Every request ends: step until the queues drain (each step computes something), then all blocks are
         free."""
+        if self.in_flight is not None:
+            self.finish(*self.in_flight)
         for _ in range(500):
             if not self.scheduler.has_unfinished() and not self.held:
                 break

@@ -16,8 +16,11 @@ request of n > 1 goes with its running siblings (taken out of the step if they w
 back whole, and its prompt's blocks, which the siblings share, are freed rather than kept for one of them. No new
 request is admitted in a step that had to preempt (re-admitting a victim at once would only thrash).
 
-`update(plan, sampled)` owns what follows the step: the computed-token accounting, prefix-cache registration of the
-blocks it filled, appending each sampled token, the stop checks (stop tokens, max_tokens, stop strings, a finished
+A plan's tokens count as computed when it goes out, and each token a request samples in it as pending (a placeholder
+among its tokens): with async scheduling the next step is planned before this one's update (`schedule(run_ahead)`:
+it preempts nothing and leaves out requests whose pending token is their last). `update(plan, sampled)` owns what
+follows the step: the pending tokens replaced by the sampled ones (a verify step's rejected positions uncounted),
+prefix-cache registration of the blocks it filled, the stop checks (stop tokens, max_tokens, stop strings, a finished
 structured-output grammar) and retiring finished requests, whose blocks return at once. A pooling model's request
 (embeddings, scores) is prefill only: the step that computes its prompt's last token gives its value (PoolerOutput),
 and it finishes there.
@@ -199,9 +202,10 @@ class Scheduler:
         return plan
 
     def update(self, plan: StepPlan, sampled: SamplerOutput | PoolerOutput | None) -> StepUpdate:
-        """Account for a step the runners computed: each scheduled request's computed tokens (and the blocks they
-        filled, registered in the prefix cache), then for those that sampled, the token appended, the stop checks,
-        and retiring the finished; a pooling request whose prompt is computed takes its value and is retired."""
+        """Account for a step the runners computed: the blocks its tokens filled, registered in the prefix cache;
+        for the requests that sampled, the token in place of the pending one, the stop checks, and retiring the
+        finished (a request finished or aborted since the plan was made is skipped); a pooling request whose prompt
+        is computed takes its value and is retired."""
         generated = isinstance(sampled, SamplerOutput)
         update = StepUpdate(prompt_logprobs=sampled.prompt_logprobs or {} if generated else {})
         rows = iter(zip(sampled.token_ids, sampled.logprobs)) if generated else iter(())
