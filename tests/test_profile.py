@@ -68,6 +68,15 @@ def test_profile_decode_step_leaves_the_engine_idle(tiny_model_dir, cpu_kernels,
     assert not engine.has_unfinished_requests() and engine.kv_cache_usage() == 0
 
 
+def test_profile_runs_steps_scheduled_ahead(tiny_model_dir):
+    """With async scheduling (a GPU's default) each timed step still decodes every request once: a step's tokens come
+    in with the next one."""
+    engine = LLMEngine.from_args(str(tiny_model_dir), dtype="float32", async_scheduling=True)
+    result = profile_decode_step(engine, 3, prompt_len=5, decode_steps_before=1, steps=2)
+    _check_breakdown(result)
+    assert not engine.has_unfinished_requests() and engine.kv_cache_usage() == 0
+
+
 def test_a_mixture_of_experts_profiles_its_routing_and_its_experts(tmp_path):
     from mini_infer.factory import make_model
 

@@ -153,13 +153,16 @@ class _DecodeBatch:
             if not self.scheduler.waiting:
                 break
             engine.step()
-        if self.scheduler.waiting or any(r.num_output_tokens != 1 for r in self.requests):
+        # (each has sampled its first token, or has it on the way: with async scheduling a step's tokens come in
+        # with the next step)
+        if self.scheduler.waiting or any(r.num_output_tokens + r.num_pending != 1 for r in self.requests):
             self.release()
             raise ValueError(f"could not bring all {batch_size} requests into the decode phase together; "
                              "raise --num-kv-blocks / --kv-cache-memory-gb or --max-num-batched-tokens")
 
     def context_len(self) -> int:
-        return self.requests[0].num_tokens
+        """The positions the next decode step attends to (its token's among them)."""
+        return self.requests[0].num_computed_tokens + 1
 
     def step(self) -> float:
         """One engine step, checked to be a decode step of exactly these requests; returns its wall time (s)."""
