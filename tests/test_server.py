@@ -57,15 +57,16 @@ class ServerThread:
         self.sock.close()
 
 
-def start(model_dir, **app_args):
-    engine = AsyncLLMEngine(LLMEngine.from_args(str(model_dir), **ENGINE_ARGS), EngineMetrics(MODEL_NAME))
+def start(model_dir, engine_args: dict | None = None, **app_args):
+    engine = AsyncLLMEngine(LLMEngine.from_args(str(model_dir), **ENGINE_ARGS, **(engine_args or {})),
+                            EngineMetrics(MODEL_NAME))
     return engine, ServerThread(build_app(engine, MODEL_NAME, **app_args))
 
 
 @contextlib.contextmanager
-def serving(model_dir, **app_args):
+def serving(model_dir, engine_args: dict | None = None, **app_args):
     """(engine, server) of start() for the block: the server running, the engine shut down after."""
-    engine, server = start(model_dir, **app_args)
+    engine, server = start(model_dir, engine_args, **app_args)
     try:
         with server:
             yield engine, server
@@ -76,6 +77,14 @@ def serving(model_dir, **app_args):
 @pytest.fixture(scope="module")
 def served(tiny_model_dir):
     with serving(tiny_model_dir, api_key=API_KEY, max_body_bytes=64 * 1024) as pair:
+        yield pair
+
+
+@pytest.fixture(scope="module")
+def served_ahead(tiny_model_dir):
+    """The server over an engine that schedules each step before the last one's update (async scheduling, a GPU's
+    default)."""
+    with serving(tiny_model_dir, dict(async_scheduling=True), api_key=API_KEY) as pair:
         yield pair
 
 
@@ -238,8 +247,9 @@ def test_models_and_health(served):
 
 # ---- concurrency ----
 
-def test_32_concurrent_streams_match_offline_generation(served, offline):
-    _, server = served
+@pytest.mark.parametrize("server_fixture", ["served", "served_ahead"])
+def test_32_concurrent_streams_match_offline_generation(request, server_fixture, offline):
+    _, server = request.getfixturevalue(server_fixture)
     texts = prompts(32)
     lengths = [3 + i % 6 for i in range(32)]
     expected = [greedy_offline(offline, p, n) for p, n in zip(texts, lengths)]
@@ -267,9 +277,10 @@ def test_32_concurrent_streams_match_offline_generation(served, offline):
 
 # ---- disconnects ----
 
+@pytest.mark.parametrize("server_fixture", ["served", "served_ahead"])
 @pytest.mark.parametrize("stream", [True, False])
-def test_disconnect_aborts_and_frees_blocks(served, stream):
-    engine, server = served
+def test_disconnect_aborts_and_frees_blocks(request, server_fixture, stream):
+    engine, server = request.getfixturevalue(server_fixture)
     before = metric_samples(server)[("mini_infer:request_success_total", frozenset({("finished_reason", "abort")}))]
     body = {"prompt": "tell me a long story", "max_tokens": 3000, "ignore_eos": True, "stream": stream}
     with httpx.Client(timeout=60) as http:
