@@ -12,7 +12,7 @@ Usage, in the repository root:
                   mini-infer-eager and HF generate on the same GPU, with the GPU's ceilings
         profile   one decode step at batch 1 and 256: before (torch ops, eager, synchronous), sync (Triton + graphs,
                   each step waiting for the one before) and after (Triton + graphs, async scheduling)
-        nano      nano-vllm's workload on the 0.5B shape (mini-infer)
+        nano      nano-vllm's workload on the 0.5B shape (mini-infer, and mini-infer-sync: without async scheduling)
         7b        the 7B shape: batch 1 beside HF generate, and nano-vllm's workload
 Writes OUT/gpu_check.md (the summary, also printed last) and OUT/gpu_check.tar.gz (every table, JSON, chart, profile
 and log). Each stage runs in a process of its own under a time limit; a failed stage is reported and the next runs.
@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / ".device" / "tokenizer"
 MODELS = Path("/tmp/gpu-check-models")
-STAGE_LIMIT_S = {"correct": 240, "bench": 300, "profile": 270, "nano": 240, "7b": 420}
+STAGE_LIMIT_S = {"correct": 240, "bench": 300, "profile": 270, "nano": 300, "7b": 420}
 STAGES = tuple(STAGE_LIMIT_S)
 
 
@@ -68,7 +68,7 @@ def stage_commands(stage: str, work: Path) -> list[list[str]]:
         return runs
     if stage == "nano":
         return [cli(*bench, "--workload", "nano-vllm", "--model", str(model("qwen2.5-0.5b")), "--systems",
-                    "mini-infer", "--reps", "1", "--out", str(work / "nano-0.5b"))]
+                    "mini-infer,mini-infer-sync", "--reps", "1", "--out", str(work / "nano-0.5b"))]
     if stage == "7b":
         path = str(model("qwen2.5-7b"))
         return [cli(*bench, "--model", path, "--batch-sizes", "1", "--prompt-len", "32", "--max-new-tokens", "128",

@@ -265,8 +265,9 @@ def _bench_options(*flags: str) -> BenchOptions:
 
 
 def test_device_flag_takes_the_gpus_systems_and_workloads():
-    with pytest.raises(ValueError, match="mini-infer-eager .* runs with --device cuda"):
-        _bench_options("--systems", "mini-infer-eager")
+    for name in ("mini-infer-eager", "mini-infer-sync"):
+        with pytest.raises(ValueError, match=f"{name} .* runs with --device cuda"):
+            _bench_options("--systems", name)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="--device cuda: torch sees no CUDA device"):
             _bench_options("--device", "cuda")

@@ -46,8 +46,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                                                       "llama.cpp then both run as it is")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     parser.add_argument("--device", choices=DEVICES, default="cpu",
-                        help="where the systems run: cuda runs mini-infer (CUDA graphs for decode), mini-infer-eager "
-                             "(--enforce-eager) and the HF baselines on the GPU, with the GPU's ceilings")
+                        help="where the systems run: cuda runs mini-infer (CUDA graphs for decode, async "
+                             "scheduling), mini-infer-eager (--enforce-eager), mini-infer-sync "
+                             "(--no-async-scheduling) and the HF baselines on the GPU, with the GPU's ceilings")
     parser.add_argument("--systems", default=None,
                         help=f"comma list of {', '.join(SYSTEMS)} (default: {','.join(DEFAULT_SYSTEMS)}; with --device "
                              f"cuda {','.join(CUDA_DEFAULT_SYSTEMS)}, of {', '.join(CUDA_SYSTEMS)}); the peers "
@@ -209,10 +210,11 @@ class BenchOptions:
 
 def _check_device(args: argparse.Namespace, systems: list[str]) -> None:
     """--device cuda runs the systems that run on a GPU, the workloads that measure one, on a machine that has one;
-    mini-infer-eager (no graphs) exists on a GPU only."""
+    mini-infer-eager (no graphs) and mini-infer-sync (no async scheduling) exist on a GPU only."""
     if args.device == "cpu":
-        if "mini-infer-eager" in systems:
-            raise ValueError("--systems mini-infer-eager (mini-infer without CUDA graphs) runs with --device cuda")
+        for name, without in (("mini-infer-eager", "CUDA graphs"), ("mini-infer-sync", "async scheduling")):
+            if name in systems:
+                raise ValueError(f"--systems {name} (mini-infer without {without}) runs with --device cuda")
         return
     import torch
 

@@ -35,8 +35,10 @@ QUANTIZED_SYSTEMS = {"mini-infer-int8": ("mini-infer", "int8"), "mini-infer-int4
 GGUF_TYPE = {"int8": "q8_0", "int4": "q4_0"}  # llama.cpp's format of the same bits as mini-infer's method
 # mini-infer-torch: mini-infer with cpu_kernels=off (torch ops only), the floor its own kernels must beat.
 # mini-infer-eager (a GPU's): mini-infer with enforce_eager, every step launched op by op (no CUDA graphs).
-SYSTEM_NAMES = (*DEFAULT_SYSTEMS, "mini-infer-torch", "mini-infer-eager", *PEER_NAMES, *QUANTIZED_SYSTEMS)
-CUDA_SYSTEMS = ("hf-generate", "hf-continuous", "mini-infer", "mini-infer-eager")  # what --device cuda runs
+# mini-infer-sync (a GPU's): mini-infer without async scheduling, each step planned after the last one's tokens are in.
+GPU_ONLY_SYSTEMS = ("mini-infer-eager", "mini-infer-sync")
+SYSTEM_NAMES = (*DEFAULT_SYSTEMS, "mini-infer-torch", *GPU_ONLY_SYSTEMS, *PEER_NAMES, *QUANTIZED_SYSTEMS)
+CUDA_SYSTEMS = ("hf-generate", "hf-continuous", "mini-infer", *GPU_ONLY_SYSTEMS)  # what --device cuda runs
 CUDA_DEFAULT_SYSTEMS = ("hf-generate", "mini-infer-eager", "mini-infer")
 # Run where the installed transformers supports them, or where the peer can be set up; otherwise skipped with the
 # reason.
@@ -137,13 +139,14 @@ class SystemFactory:
         if base in PEER_NAMES:
             return build_peer(base, self.model_dir, self.dtype, max_requests=self.max_requests,
                               max_seq_len=self.max_seq_len, gguf_outtype=kind or self.gguf_outtype, log=self.log)
-        if base in ("mini-infer", "mini-infer-torch", "mini-infer-eager"):
+        if base in ("mini-infer", "mini-infer-torch", *GPU_ONLY_SYSTEMS):
             # Prefix caching off: the timed runs repeat the warm-up's prompts, and reusing their K/V would skip
             # prefill work that the HF systems must do (the shared-prefix workload measures the cache itself).
             args = dict(dtype=self.dtype, max_num_seqs=max(256, self.max_requests), enable_prefix_caching=False,
                         quantization=kind, cpu_kernels="off" if name == "mini-infer-torch" else "auto")
             if self.device != "cpu":
                 args.update(device=self.device, enforce_eager=name == "mini-infer-eager",
+                            async_scheduling=False if name == "mini-infer-sync" else None,
                             kv_cache_memory_gb=self.kv_cache_gb())
             return MiniInferSystem(self.model_dir, args, self.measure_rss)
         if (Path(self.model_dir) / gguf_file.LINK).exists():
