@@ -194,9 +194,9 @@ class Scheduler:
             # (a preemption took requests back out of the plan after they were counted: count the plan again)
             self._timed = shape if len(self._preempted) == preempted_before else self._shape(plan, requests)
             self._timed_at = now
+        self._commit(plan, requests)
         if self._num_constrained:
             plan.grammar = self._grammar_bitmask(plan, requests)
-        self._commit(plan, requests)
         plan.finished_ids, self._left = self._left, []
         plan.preempted_ids, self._preempted = self._preempted, []
         return plan
@@ -240,8 +240,6 @@ class Scheduler:
                 continue
             request.num_pending -= 1
             count = next(emitted, 1)  # the request's last token and its accepted drafts are computed, no more
-            # (schedule() counted the step's tokens computed: a rejected draft's position is not after all)
-            computed = request.num_computed_tokens - num_drafts + count - 1
             for _ in range(count):
                 token_id, logprobs = next(rows)
                 if request.finished:  # (a stop among the accepted drafts: the rest are dropped)
@@ -249,20 +247,24 @@ class Scheduler:
                 request.output_token_ids.append(token_id)
                 check_stop(request, token_id, request.grammar is not None and _advance_grammar(request, token_id))
                 update.sampled.append((request, token_id, logprobs))
-            # (after the tokens are appended: a block registers the tokens it holds; none past a stop)
-            request.num_computed_tokens = min(computed, request.num_tokens)
-            self._cache_blocks(request)
             if num_drafts:
+                # (schedule() counted the drafts' positions computed: a rejected one's is not after all, nor one
+                # past a stop)
+                request.num_computed_tokens = min(request.num_computed_tokens - num_drafts + count - 1,
+                                                  request.num_tokens)
                 self.spec_stats.record(num_drafts, count - 1)
                 request.draft_policy.observe(num_drafts, count - 1)
-            request.spec_token_ids = next(proposals, [])
-            if request.spec_token_ids:
-                proposing += 1
+            # (after the tokens are appended: a block registers the tokens it holds; none past a stop)
+            self._cache_blocks(request)
+            if self.speculative is not None:
+                request.spec_token_ids = next(proposals, [])
+                proposing += bool(request.spec_token_ids)
                 drafted += len(request.spec_token_ids)
             if request.finished:
                 self.finish(request, request.status)
                 update.finished.append(request)
-            elif self.kv_cache.num_blocks_owned(request_id) > self.kv_cache.blocks_for(request.num_tokens):
+            elif (self.speculative is not None  # (only drafts' slots run past a request's tokens)
+                  and self.kv_cache.num_blocks_owned(request_id) > self.kv_cache.blocks_for(request.num_tokens)):
                 sent = self._sent[request_id]
                 sent.blocks, sent.trimmed = min(sent.blocks, self.kv_cache.trim(request_id, request.num_tokens)), True
         # (A request resuming after steps without drafts first catches its draft model up on every token since:
@@ -479,25 +481,25 @@ class Scheduler:
 
     def _order(self, plan: StepPlan, requests: dict[str, Request]) -> None:
         """The batch order the runners take: requests computing one token first (the decodes; an admitted prompt of
-        one token too), then the rest; whether any prompt is computed; and the requests whose step computes their
-        last token (with the drafts it verifies), which sample (or pool) in it."""
+        one token too), then the rest; and whether any prompt is computed."""
         order = sorted(range(len(plan.request_ids)), key=lambda i: plan.num_new_tokens[i] > 1)
         plan.request_ids = [plan.request_ids[i] for i in order]
         plan.num_new_tokens = [plan.num_new_tokens[i] for i in order]
         plan.is_prefill = any(requests[rid].num_computed_tokens < requests[rid].num_prompt_tokens
                               for rid in plan.request_ids)
-        plan.emitting = [rid for rid, num_new in zip(plan.request_ids, plan.num_new_tokens)
-                         if requests[rid].num_computed_tokens + num_new
-                         >= requests[rid].num_tokens + len(plan.spec_token_ids.get(rid, ()))]
 
     def _commit(self, plan: StepPlan, requests: dict[str, Request]) -> None:
-        """Count the plan's tokens computed as it goes out, and the token each request that samples in it gets as
+        """The requests whose step computes their last token (with the drafts it verifies), which sample (or pool) in
+        it; then the plan's tokens counted computed as it goes out, and the token each request that samples gets as
         pending (update() replaces it with the sampled one): a step scheduled before this one's update sees both."""
+        spec = plan.spec_token_ids
         for rid, num_new in zip(plan.request_ids, plan.num_new_tokens):
-            requests[rid].num_computed_tokens += num_new
-        for rid in plan.emitting:
-            if not requests[rid].pooling:
-                requests[rid].num_pending += 1
+            request = requests[rid]
+            if request.num_computed_tokens + num_new >= request.num_tokens + (len(spec[rid]) if rid in spec else 0):
+                plan.emitting.append(rid)
+                if not request.pooling:
+                    request.num_pending += 1
+            request.num_computed_tokens += num_new
 
     def _grammar_bitmask(self, plan: StepPlan, requests: dict[str, Request]) -> GrammarBitmask | None:
         """The tokens each structured-output request that samples in this step may take (None if none samples)."""
