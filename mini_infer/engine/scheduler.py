@@ -442,7 +442,7 @@ class Scheduler:
         """Schedule `num_new` tokens of the request (its drafts among them; `propose` drafts to make after the
         step): its whole data if the batch does not hold it yet, else the tokens and blocks it gained since it last
         ran, and where a verify step rejected drafts since, its computed tokens and blocks as they are now."""
-        rid, kv = request.request_id, self.kv_cache
+        rid, kv, num_tokens = request.request_id, self.kv_cache, request.num_tokens
         plan.request_ids.append(rid)
         plan.num_new_tokens.append(num_new)
         if drafts:
@@ -457,15 +457,15 @@ class Scheduler:
                 num_prompt_tokens=request.num_prompt_tokens, num_computed_tokens=request.num_computed_tokens,
                 block_ids=kv.block_ids(rid), params=request.params, min_tokens_stop_ids=request.stop_token_ids))
         else:
-            if request.num_tokens > sent.tokens:
-                plan.new_token_ids[rid] = request.token_ids_slice(sent.tokens, request.num_tokens)
+            if num_tokens > sent.tokens:
+                plan.new_token_ids[rid] = request.token_ids_slice(sent.tokens, num_tokens)
             if request.num_computed_tokens != sent.computed:
                 plan.computed_tokens[rid] = request.num_computed_tokens
             if sent.trimmed:
                 plan.kept_blocks[rid] = sent.blocks
             if num_blocks > sent.blocks:
                 plan.new_block_ids[rid] = kv.block_ids(rid, sent.blocks)
-        self._sent[rid] = _Sent(request.num_tokens, num_blocks, request.num_computed_tokens + num_new)
+        self._sent[rid] = _Sent(num_tokens, num_blocks, request.num_computed_tokens + num_new)
 
     def _unplan(self, plan: StepPlan, request: Request) -> None:
         """Take a request this plan already scheduled back out of it (its group is being preempted)."""
