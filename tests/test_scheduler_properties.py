@@ -22,8 +22,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from mini_infer.engine.kv_cache import KVCacheManager
-from mini_infer.engine.request import PLACEHOLDER, Request, RequestStatus
+from mini_infer.engine.request import Request, RequestStatus
 from mini_infer.engine.scheduler import Scheduler
+from mini_infer.runner.plan import PLACEHOLDER
 from mini_infer.runner.sampler import SamplerOutput
 from mini_infer.sampling_params import SamplingParams
 

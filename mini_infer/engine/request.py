@@ -11,12 +11,8 @@ from mini_infer.engine.speculation import DraftPolicy
 from mini_infer.engine.structured_output import Grammar
 from mini_infer.outputs import Logprob
 from mini_infer.pooling_params import PoolingParams
+from mini_infer.runner.plan import PLACEHOLDER
 from mini_infer.sampling_params import SamplingParams
-
-
-# The id a pending token (Request.num_pending) stands under in the runners' batch until its step's sample replaces it on
-# the device (runner/model_runner.py); never a vocabulary id.
-PLACEHOLDER = -1
 
 
 class RequestStatus(enum.Enum):

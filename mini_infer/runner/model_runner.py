@@ -25,7 +25,7 @@ from mini_infer.profiling import profiled
 from mini_infer.runner.graphs import CaptureReport, DecodeGraphs
 from mini_infer.runner.input_batch import InputBatch, StepInputs
 from mini_infer.runner.metadata import attention_metadata
-from mini_infer.runner.plan import StepPlan
+from mini_infer.runner.plan import PLACEHOLDER, StepPlan
 from mini_infer.runner.pooler import Pooler, PoolerOutput
 from mini_infer.runner.sampler import Sampler, SamplerOutput, prompt_logprobs
 from mini_infer.runner.spec_decode import Speculator
@@ -201,7 +201,7 @@ class ModelRunner:
             return
         rows = input_ids[: step.num_decodes]
         slots = torch.tensor(step.slots[: step.num_decodes]).to(self.device, non_blocking=True)
-        rows.copy_(torch.where(rows < 0, self._last_tokens[self._row_of_slot[slots]], rows))
+        rows.copy_(torch.where(rows == PLACEHOLDER, self._last_tokens[self._row_of_slot[slots]], rows))
 
     @torch.inference_mode()
     def forward(self, step: StepInputs) -> torch.Tensor | None:

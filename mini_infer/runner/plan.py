@@ -17,6 +17,11 @@ from mini_infer.pooling_params import PoolingParams
 from mini_infer.sampling_params import SamplingParams
 
 
+# The id a pending token (engine Request.num_pending) stands under in a plan's tokens and the runners' batch until its
+# step's sample replaces it on the device (ModelRunner._fill_pending); never a vocabulary id.
+PLACEHOLDER = -1
+
+
 @dataclass(slots=True)
 class NewRequest:
     """A request entering the batch (admitted, or re-admitted after preemption with its outputs so far)."""
