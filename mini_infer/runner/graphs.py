@@ -10,6 +10,8 @@ sample.
 On the CPU, where the Triton kernels run in the interpreter for tests, `EmulatedGraph` stands in for the CUDA graph:
 "capture" runs the step under a dispatch mode that refuses host syncs and host data, and "replay" runs the same
 closure again into the captured outputs, so a step that read anything but its static buffers gives wrong tokens.
+A size's stand-in is captured when a step first needs it (there is no memory pool to share, and capturing every
+size up front cost ~2.7 s an engine in the interpreter, for sizes most tests never run).
 """
 
 from __future__ import annotations
@@ -166,19 +168,22 @@ class DecodeGraphs:
         if cuda:
             torch.cuda.synchronize(self.device)
             free_before = torch.cuda.mem_get_info(self.device)[0]
-        pool = torch.cuda.graph_pool_handle() if cuda else None
-        for size in reversed(self.sizes):  # largest first: the smaller ones reuse its pool
-            def step(size=size) -> tuple[torch.Tensor, ...]:
-                return self.layers(*self.static.rows(size))
-            self.graphs[size] = CudaGraph(step, pool) if cuda else EmulatedGraph(step)
+            pool = torch.cuda.graph_pool_handle()
+            for size in reversed(self.sizes):  # largest first: the smaller ones reuse its pool
+                self.graphs[size] = CudaGraph(self._step(size), pool)
         memory = None
         if cuda:
             torch.cuda.synchronize(self.device)
             memory = free_before - torch.cuda.mem_get_info(self.device)[0]
         report = CaptureReport(self.sizes, time.perf_counter() - start, memory)
-        logger.info("captured %d decode graphs (batch sizes %d-%d) in %.1f s%s", len(self.sizes), self.sizes[0],
-                    self.sizes[-1], report.seconds, f", {memory / 2**20:.0f} MiB" if memory is not None else "")
+        if cuda:
+            logger.info("captured %d decode graphs (batch sizes %d-%d) in %.1f s, %.0f MiB", len(self.sizes),
+                        self.sizes[0], self.sizes[-1], report.seconds, memory / 2**20)
         return report
+
+    def _step(self, size: int) -> Callable[[], tuple[torch.Tensor, ...]]:
+        """The decode step over the static buffers' first `size` rows."""
+        return lambda: self.layers(*self.static.rows(size))
 
     def run(self, inputs: StepInputs, edit_ids: Callable[[torch.Tensor, StepInputs], None] | None = None,
             ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -194,7 +199,9 @@ class DecodeGraphs:
         self.static.fill(inputs, size)
         if edit_ids is not None:
             edit_ids(self.static.device["input_ids"][:n], inputs)
-        graph = self.graphs[size]
+        graph = self.graphs.get(size)
+        if graph is None:  # (the CPU's stand-in, at its first step: its capture runs this step, the replay again)
+            graph = self.graphs[size] = EmulatedGraph(self._step(size))
         graph.replay()
         hidden, residual = graph.outputs
         return hidden[:n], residual[:n]
