@@ -66,7 +66,9 @@ class LLMEngine(EngineClient):
         self.groups: dict[str, RequestGroup] = {}  # requests of n > 1, by their id (their children are in requests)
         self._child_groups: dict[str, str] = {}  # child request id -> its group's
         self._aborted_outputs: list[RequestOutput | PoolingRequestOutput] = []
-        # Async scheduling (EngineConfig.async_scheduling): the step still running on the device, with its plan.
+        # Async scheduling (EngineConfig.async_scheduling, resolved once): the step still running on the device, with
+        # its plan.
+        self._runs_ahead = config.runs_ahead
         self._in_flight: tuple[StepPlan, LaunchedStep | None] | None = None
 
     @property
@@ -182,7 +184,7 @@ class LLMEngine(EngineClient):
         if running is not None:
             outputs += self._finish(*running)
         if launched is not None:
-            if self.config.runs_ahead and plan.request_ids:
+            if self._runs_ahead and plan.request_ids:
                 self._in_flight = launched
             else:
                 outputs += self._finish(*launched)
