@@ -206,6 +206,7 @@ inline VF fmul(VF a, VF b) { return SIMD(mul_ps)(a, b); }
 inline VF vmax(VF a, VF b) { return SIMD(max_ps)(a, b); }
 inline VF vadd(VF a, VF b) { return SIMD(add_ps)(a, b); }
 inline VF vload_f(const float* p) { return SIMD(loadu_ps)(p); }
+inline void vstore_f(float* p, VF v) { SIMD(storeu_ps)(p, v); }
 inline VF to_float(VI v) { return SIMD(cvtepi32_ps)(v); }
 inline VI pair_broadcast(const int16_t* x) {
     int32_t pair;
@@ -346,9 +347,20 @@ inline void fill(V (&registers)[MR][NP][L], V value) {
             for (int h = 0; h < L; ++h) registers[i][j][h] = value;
 }
 
-// Rows m0 .. m0 + MR of out against panels panel0 .. panel0 + NP; `limit`: the end of the thread's panels.
-template <int BITS, int MR, int NP, int PF>
-inline void tile(const Problem& p, int m0, int panel0, const uint8_t* limit) {
+// A panel widened once for all its row tiles (the AVX2 build's tiles of several rows, `share_wide`): each group's
+// scales and offsets (group_scales' vectors as 2 x PANEL floats) and, WIDE_Q, its q as int16 pairs, pair after pair
+// (step_pairs' vectors, L of them a pair).
+enum Wide : int { WIDE_NONE = 0, WIDE_SCALES = 1, WIDE_Q = 2 };
+struct Widened {
+    const float* scales;
+    const VI* pairs;
+};
+
+// Rows m0 .. m0 + MR of out against panels panel0 .. panel0 + NP; `limit`: the end of the thread's panels. WIDE: one
+// panel (NP = 1), its scales (and with WIDE_Q its q) read from `wide` instead.
+template <int BITS, int MR, int NP, int PF, int WIDE = WIDE_NONE>
+inline void tile(const Problem& p, int m0, int panel0, const uint8_t* limit, Widened wide = {}) {
+    static_assert(WIDE == WIDE_NONE || NP == 1);
     VF acc[MR][NP][L];
     fill(acc, fzero());
     const int groups = p.Kp / p.G;
@@ -384,10 +396,15 @@ inline void tile(const Problem& p, int m0, int panel0, const uint8_t* limit) {
 #pragma GCC unroll 8
             for (int j = 0; j < NP; ++j) {
                 VI w[PAIRS * L];
-                prefetch<PF, NP>(base[j] + at, p.layout.q + at, p.layout.bytes, limit);
-                if constexpr (BITS == INT6)  // 1.5 lines a step: the next line's prefetch too
-                    prefetch<PF, NP>(base[j] + at + 64, p.layout.q + at + 64, p.layout.bytes, limit);
-                step_pairs<BITS>(base[j] + at, w);
+                if constexpr (WIDE == WIDE_Q) {
+#pragma GCC unroll 8
+                    for (int u = 0; u < PAIRS * L; ++u) w[u] = wide.pairs[k / 2 * L + u];
+                } else {
+                    prefetch<PF, NP>(base[j] + at, p.layout.q + at, p.layout.bytes, limit);
+                    if constexpr (BITS == INT6)  // 1.5 lines a step: the next line's prefetch too
+                        prefetch<PF, NP>(base[j] + at + 64, p.layout.q + at + 64, p.layout.bytes, limit);
+                    step_pairs<BITS>(base[j] + at, w);
+                }
                 if constexpr (X_AT_USE) {
 #pragma GCC unroll 4
                     for (int t = 0; t < PAIRS; ++t)
@@ -415,7 +432,13 @@ inline void tile(const Problem& p, int m0, int panel0, const uint8_t* limit) {
 #pragma GCC unroll 8
         for (int j = 0; j < NP; ++j) {
             VF s[L], offset[L];
-            group_scales<BITS>(p, p.panels + (panel0 + j) * p.layout.bytes, g, s, offset);
+            if constexpr (WIDE != WIDE_NONE) {
+                const float* at = wide.scales + g * 2 * PANEL;
+#pragma GCC unroll 2
+                for (int h = 0; h < L; ++h) s[h] = vload_f(at + h * LANES), offset[h] = vload_f(at + PANEL + h * LANES);
+            } else {
+                group_scales<BITS>(p, p.panels + (panel0 + j) * p.layout.bytes, g, s, offset);
+            }
 #pragma GCC unroll 8
             for (int i = 0; i < MR; ++i) {
                 const int64_t row_group = static_cast<int64_t>(m0 + i) * groups + g;
@@ -464,6 +487,65 @@ void share(const Problem& p, int begin, int end) {
     if (q < end) panel_rest<BITS, MR, NP, PF>(p, q, end - q, limit);
 }
 
+// The AVX2 build's tiles of several rows unpack a step's q (int6: 44 vector operations for 32 int16 products of each
+// of 4 rows, beside their 64 multiply-adds) and would compute each group's scales (Q4_K's: 18 operations for 4 rows'
+// 32 x 16 products) once per tile. Instead the thread widens each panel's scales once for all its row tiles, and from
+// WIDE_Q_ROWS rows (by bits) its q too. On a 2-core Zen 3, over the 1.5B shape's projections (9-15 shuffled rounds
+// against the kernel before, the same bits): the scales alone, Q4_K at 2-4 rows 0.93-0.99x as long, 5-12 rows
+// 0.88-0.95x, Q8_0 0.98-1.02x and 0.90-0.97x, Q6_K 0.91-0.98x at 2-4 rows; the q as well, Q6_K at 5 rows 0.75x, 8
+// rows 0.77x, 16 0.62x, 64 0.57x, 256 0.53x; Q4_K at 8 rows 1.00-1.07x (not taken), 16 0.91x, 64 0.81x; Q8_0 at 8
+// rows 1.18x (not taken), 16 1.00x, 32 0.88x, 64 0.86x.
+constexpr int wide_q_rows(int bits) { return bits == INT6 ? 5 : (bits == INT4 ? 16 : 32); }
+
+// A panel's scales (and with WIDE_Q its q) in the thread's buffer: 2 x PANEL floats a group, then Kp / 2 pairs of L
+// vectors.
+template <int BITS, int PF, int WIDE>
+Widened widen(const Problem& p, int panel, const uint8_t* limit) {
+    constexpr int64_t STEP_BYTES = step_bytes(BITS);
+    constexpr int STEP_K = step_k(BITS);
+    const int64_t scale_bytes = static_cast<int64_t>(p.Kp / p.G) * 2 * PANEL * sizeof(float);
+    static thread_local std::vector<uint8_t> buffer;
+    buffer.resize(scale_bytes + (WIDE == WIDE_Q ? static_cast<int64_t>(p.Kp / 2) * L * sizeof(VI) : 0) + 64);
+    uint8_t* start = buffer.data() + (64 - reinterpret_cast<uintptr_t>(buffer.data()) % 64) % 64;
+    float* scales = reinterpret_cast<float*>(start);
+    VI* pairs = reinterpret_cast<VI*>(start + scale_bytes);
+    const uint8_t* run = p.panels + static_cast<int64_t>(panel) * p.layout.bytes;
+    for (int g = 0; g < p.Kp / p.G; ++g) {
+        VF s[L], offset[L];
+        group_scales<BITS>(p, run, g, s, offset);
+#pragma GCC unroll 2
+        for (int h = 0; h < L; ++h) {
+            vstore_f(scales + g * 2 * PANEL + h * LANES, s[h]);
+            if (p.xsum != nullptr) vstore_f(scales + g * 2 * PANEL + PANEL + h * LANES, offset[h]);
+        }
+    }
+    if constexpr (WIDE == WIDE_Q)
+        for (int k = 0; k < p.Kp; k += STEP_K) {
+            const int64_t at = p.layout.q + static_cast<int64_t>(k / STEP_K) * STEP_BYTES;
+            prefetch<PF, 1>(run + at, at, p.layout.bytes, limit);
+            if constexpr (BITS == INT6) prefetch<PF, 1>(run + at + 64, at + 64, p.layout.bytes, limit);
+            step_pairs<BITS>(run + at, pairs + k / 2 * L);
+        }
+    return {scales, pairs};
+}
+
+// Panels [begin, end) of p, each widened once and then multiplied by every tile of 4 rows (the rest in one of 1-3).
+template <int BITS, int PF, int WIDE>
+void share_wide(const Problem& p, int begin, int end) {
+    const uint8_t* limit = p.panels + end * p.layout.bytes;
+    for (int q = begin; q < end; ++q) {
+        const Widened wide = widen<BITS, PF, WIDE>(p, q, limit);
+        int m = 0;
+        for (; m + 4 <= p.M; m += 4) tile<BITS, 4, 1, PF, WIDE>(p, m, q, limit, wide);
+        switch (p.M - m) {
+            case 3: tile<BITS, 3, 1, PF, WIDE>(p, m, q, limit, wide); break;
+            case 2: tile<BITS, 2, 1, PF, WIDE>(p, m, q, limit, wide); break;
+            case 1: tile<BITS, 1, 1, PF, WIDE>(p, m, q, limit, wide); break;
+            default: break;
+        }
+    }
+}
+
 // One row: more panels per tile (independent chains, each weight vector used once); more rows: MR x NP tiles that
 // keep MR * NP * L float accumulators and as many integer group sums in the vector registers.
 template <int BITS, int PF>
@@ -477,7 +559,8 @@ void share_rows(const Problem& p, int begin, int end) {
     // 4-row tiles, the rest in one tile of 1-3 rows (the float accumulators spill; each is touched once a group): on
     // that Zen 3, the 0.5B shape's projections at 8 rows ran 1.23x (int8) and 1.21x (int4) as fast as with 2-row
     // tiles, at 32 rows 1.07x and 1.21x, at 3 rows (one tile, not 2 + 1) 1.17x and 1.15x.
-    else share<BITS, 4, 1, PF>(p, begin, end);
+    else if (p.M >= wide_q_rows(BITS)) share_wide<BITS, PF, WIDE_Q>(p, begin, end);
+    else share_wide<BITS, PF, WIDE_SCALES>(p, begin, end);
 #endif
 }
 
