@@ -35,6 +35,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <atomic>
 #include <initializer_list>
 #include <vector>
 
@@ -564,15 +565,27 @@ void share_rows(const Problem& p, int begin, int end) {
 #endif
 }
 
-// Each thread an even share of the panels.
+// The threads take runs of panels in turn, each half of what is left over the threads (at least 4 panels): a thread
+// the machine holds back takes fewer. Against an even share each, on a 2-core Zen 3 VM whose host takes a core now
+// and then (11 shuffled rounds over the 1.5B shape's projections, the same bits): 64 rows 0.90-0.93x as long, 256
+// rows 0.84x, 8 rows 0.73-1.01x (the more the machine was taken, the lower), 1 row 0.97-1.02x.
 template <int BITS, int PF>
 void run(const Problem& p, int threads) {
     const int panels = (p.N + PANEL - 1) / PANEL;
+    std::atomic<int> next{0};
 #pragma omp parallel num_threads(threads)
     {
-        const int workers = omp_get_num_threads(), id = omp_get_thread_num();
-        share_rows<BITS, PF>(p, static_cast<int>(static_cast<int64_t>(panels) * id / workers),
-                             static_cast<int>(static_cast<int64_t>(panels) * (id + 1) / workers));
+        const int workers = omp_get_num_threads();
+        for (;;) {
+            int begin = next.load(std::memory_order_relaxed), end;
+            do {
+                if (begin >= panels) break;
+                const int left = panels - begin, size = left / (2 * workers);
+                end = begin + (size > 4 ? size / 4 * 4 : (left < 4 ? left : 4));
+            } while (!next.compare_exchange_weak(begin, end, std::memory_order_relaxed));
+            if (begin >= panels) break;
+            share_rows<BITS, PF>(p, begin, end);
+        }
     }
 }
 
