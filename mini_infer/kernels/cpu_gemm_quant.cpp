@@ -565,13 +565,22 @@ void share_rows(const Problem& p, int begin, int end) {
 #endif
 }
 
-// The threads take runs of panels in turn, each half of what is left over the threads (at least 4 panels): a thread
-// the machine holds back takes fewer. Against an even share each, on a 2-core Zen 3 VM whose host takes a core now
-// and then (11 shuffled rounds over the 1.5B shape's projections, the same bits): 64 rows 0.90-0.93x as long, 256
-// rows 0.84x, 8 rows 0.73-1.01x (the more the machine was taken, the lower), 1 row 0.97-1.02x.
+// AVX2: the threads take runs of panels in turn, each half of what is left over the threads (at least 4 panels, the
+// one-row tile's width): a thread the machine holds back takes fewer. Against an even share each, on a 2-core Zen 3
+// VM whose host takes a core now and then (11 shuffled rounds over the 1.5B shape's projections, the same bits): 64
+// rows 0.90-0.93x as long, 256 rows 0.84x, 8 rows 0.73-1.01x (the more the machine was taken, the lower), 1 row
+// 0.97-1.02x. The AVX-512 builds keep an even share each (their one-row tiles are 8 panels wide; not measured there).
 template <int BITS, int PF>
 void run(const Problem& p, int threads) {
     const int panels = (p.N + PANEL - 1) / PANEL;
+#if QUANT_AVX512
+#pragma omp parallel num_threads(threads)
+    {
+        const int workers = omp_get_num_threads(), id = omp_get_thread_num();
+        share_rows<BITS, PF>(p, static_cast<int>(static_cast<int64_t>(panels) * id / workers),
+                             static_cast<int>(static_cast<int64_t>(panels) * (id + 1) / workers));
+    }
+#else
     std::atomic<int> next{0};
 #pragma omp parallel num_threads(threads)
     {
@@ -587,6 +596,7 @@ void run(const Problem& p, int threads) {
             share_rows<BITS, PF>(p, begin, end);
         }
     }
+#endif
 }
 
 // Rows of x rounded to int16 per group (Problem's x, unit and xsum).
