@@ -458,14 +458,14 @@ inline void tile(const Problem& p, int m0, int panel0, const uint8_t* limit, Wid
         for (int j = 0; j < NP; ++j) store_columns(p, m0 + i, (panel0 + j) * PANEL, acc[i][j]);
 }
 
-template <int BITS, int MR, int NP, int PF>
-inline void panel_group(const Problem& p, int panel0, const uint8_t* limit) {
+template <int BITS, int MR, int NP, int PF, int WIDE = WIDE_NONE>
+inline void panel_group(const Problem& p, int panel0, const uint8_t* limit, Widened wide = {}) {
     int m = 0;
-    for (; m + MR <= p.M; m += MR) tile<BITS, MR, NP, PF>(p, m, panel0, limit);
+    for (; m + MR <= p.M; m += MR) tile<BITS, MR, NP, PF, WIDE>(p, m, panel0, limit, wide);
     switch (p.M - m) {
-        case 3: if constexpr (MR > 3) tile<BITS, 3, NP, PF>(p, m, panel0, limit); break;
-        case 2: if constexpr (MR > 2) tile<BITS, 2, NP, PF>(p, m, panel0, limit); break;
-        case 1: if constexpr (MR > 1) tile<BITS, 1, NP, PF>(p, m, panel0, limit); break;
+        case 3: if constexpr (MR > 3) tile<BITS, 3, NP, PF, WIDE>(p, m, panel0, limit, wide); break;
+        case 2: if constexpr (MR > 2) tile<BITS, 2, NP, PF, WIDE>(p, m, panel0, limit, wide); break;
+        case 1: if constexpr (MR > 1) tile<BITS, 1, NP, PF, WIDE>(p, m, panel0, limit, wide); break;
         default: break;
     }
 }
@@ -534,17 +534,7 @@ Widened widen(const Problem& p, int panel, const uint8_t* limit) {
 template <int BITS, int PF, int WIDE>
 void share_wide(const Problem& p, int begin, int end) {
     const uint8_t* limit = p.panels + end * p.layout.bytes;
-    for (int q = begin; q < end; ++q) {
-        const Widened wide = widen<BITS, PF, WIDE>(p, q, limit);
-        int m = 0;
-        for (; m + 4 <= p.M; m += 4) tile<BITS, 4, 1, PF, WIDE>(p, m, q, limit, wide);
-        switch (p.M - m) {
-            case 3: tile<BITS, 3, 1, PF, WIDE>(p, m, q, limit, wide); break;
-            case 2: tile<BITS, 2, 1, PF, WIDE>(p, m, q, limit, wide); break;
-            case 1: tile<BITS, 1, 1, PF, WIDE>(p, m, q, limit, wide); break;
-            default: break;
-        }
-    }
+    for (int q = begin; q < end; ++q) panel_group<BITS, 4, 1, PF, WIDE>(p, q, limit, widen<BITS, PF, WIDE>(p, q, limit));
 }
 
 // One row: more panels per tile (independent chains, each weight vector used once); more rows: MR x NP tiles that
