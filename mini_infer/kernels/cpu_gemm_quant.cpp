@@ -305,6 +305,16 @@ inline void step_pairs(const uint8_t* step, VI* w) {
     else int4_pairs(step, w);
 }
 
+// step_pairs of `step` (at offset `at` of its panel's run, in a tile of NP panels), after prefetching the stream
+// ahead of it (prefetch's arguments).
+template <int BITS, int PF, int NP>
+inline void prefetched_pairs(const uint8_t* step, int64_t at, int64_t panel_bytes, const uint8_t* limit, VI* w) {
+    prefetch<PF, NP>(step, at, panel_bytes, limit);
+    if constexpr (BITS == INT6)  // 1.5 lines a step: the next line's prefetch too
+        prefetch<PF, NP>(step + 64, at + 64, panel_bytes, limit);
+    step_pairs<BITS>(step, w);
+}
+
 // Group g's scale s of the panel's 16 columns (one level: its scales; two: d sc) and, where x's group sums enter
 // (int4, or mins), the offset they are multiplied by (int4: zero - 8 s, or -8 s; two-level: -dmin m).
 template <int BITS>
@@ -401,10 +411,7 @@ inline void tile(const Problem& p, int m0, int panel0, const uint8_t* limit, Wid
 #pragma GCC unroll 8
                     for (int u = 0; u < PAIRS * L; ++u) w[u] = wide.pairs[k / 2 * L + u];
                 } else {
-                    prefetch<PF, NP>(base[j] + at, p.layout.q + at, p.layout.bytes, limit);
-                    if constexpr (BITS == INT6)  // 1.5 lines a step: the next line's prefetch too
-                        prefetch<PF, NP>(base[j] + at + 64, p.layout.q + at + 64, p.layout.bytes, limit);
-                    step_pairs<BITS>(base[j] + at, w);
+                    prefetched_pairs<BITS, PF, NP>(base[j] + at, p.layout.q + at, p.layout.bytes, limit, w);
                 }
                 if constexpr (X_AT_USE) {
 #pragma GCC unroll 4
@@ -523,9 +530,7 @@ Widened widen(const Problem& p, int panel, const uint8_t* limit) {
     if constexpr (WIDE == WIDE_Q)
         for (int k = 0; k < p.Kp; k += STEP_K) {
             const int64_t at = p.layout.q + static_cast<int64_t>(k / STEP_K) * STEP_BYTES;
-            prefetch<PF, 1>(run + at, at, p.layout.bytes, limit);
-            if constexpr (BITS == INT6) prefetch<PF, 1>(run + at + 64, at + 64, p.layout.bytes, limit);
-            step_pairs<BITS>(run + at, pairs + k / 2 * L);
+            prefetched_pairs<BITS, PF, 1>(run + at, at, p.layout.bytes, limit, pairs + k / 2 * L);
         }
     return {scales, pairs};
 }
@@ -534,7 +539,8 @@ Widened widen(const Problem& p, int panel, const uint8_t* limit) {
 template <int BITS, int PF, int WIDE>
 void share_wide(const Problem& p, int begin, int end) {
     const uint8_t* limit = p.panels + end * p.layout.bytes;
-    for (int q = begin; q < end; ++q) panel_group<BITS, 4, 1, PF, WIDE>(p, q, limit, widen<BITS, PF, WIDE>(p, q, limit));
+    for (int q = begin; q < end; ++q)
+        panel_group<BITS, 4, 1, PF, WIDE>(p, q, limit, widen<BITS, PF, WIDE>(p, q, limit));
 }
 
 // One row: more panels per tile (independent chains, each weight vector used once); more rows: MR x NP tiles that
