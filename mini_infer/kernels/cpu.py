@@ -165,7 +165,8 @@ def weight_layout(path: str, dtype: torch.dtype) -> str:
     return MATMUL_PATHS[path].kernels[dtype][0]
 
 
-_HEADERS = ("bf16.h", "exp8.h", "avx512.h", "amx.h")  # what the sources include (part of each build's cache key)
+# What the sources include (part of each build's cache key).
+_HEADERS = ("bf16.h", "exp8.h", "avx512.h", "amx.h", "panel_runs.h")
 # Per kernel name: its function, or why it cannot run (the message only: a stored exception would keep the frames of
 # its traceback alive, and with them whatever they held, a whole engine's weights and KV cache among them).
 _outcomes: dict[str, Callable | str] = {}

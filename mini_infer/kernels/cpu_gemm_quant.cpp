@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "panel_runs.h"
 #ifndef QUANT_AMX
 #define QUANT_AMX 0
 #endif
@@ -561,8 +562,7 @@ void share_rows(const Problem& p, int begin, int end) {
 #endif
 }
 
-// AVX2: the threads take runs of panels in turn, each half of what is left over the threads (at least 4 panels, the
-// one-row tile's width): a thread the machine holds back takes fewer. Against an even share each, on a 2-core Zen 3
+// AVX2: the threads take runs of panels in turn (panel_runs.h; at least 4 panels, the one-row tile's width). Against an even share each, on a 2-core Zen 3
 // VM whose host takes a core now and then (11 shuffled rounds over the 1.5B shape's projections, the same bits): 64
 // rows 0.90-0.93x as long, 256 rows 0.84x, 8 rows 0.73-1.01x (the more the machine was taken, the lower), 1 row
 // 0.97-1.02x. The AVX-512 builds keep an even share each (their one-row tiles are 8 panels wide; not measured there).
@@ -579,19 +579,7 @@ void run(const Problem& p, int threads) {
 #else
     std::atomic<int> next{0};
 #pragma omp parallel num_threads(threads)
-    {
-        const int workers = omp_get_num_threads();
-        for (;;) {
-            int begin = next.load(std::memory_order_relaxed), end;
-            do {
-                if (begin >= panels) break;
-                const int left = panels - begin, size = left / (2 * workers);
-                end = begin + (size > 4 ? size / 4 * 4 : (left < 4 ? left : 4));
-            } while (!next.compare_exchange_weak(begin, end, std::memory_order_relaxed));
-            if (begin >= panels) break;
-            share_rows<BITS, PF>(p, begin, end);
-        }
-    }
+    take_runs(next, panels, 4, [&](int begin, int end) { share_rows<BITS, PF>(p, begin, end); });
 #endif
 }
 
