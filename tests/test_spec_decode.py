@@ -405,3 +405,32 @@ def test_a_draft_models_lookahead_never_holds_back_an_admission(models):
             break
     assert [[o.outputs[0].token_ids] for o in outputs] == want
     assert engine.kv_cache.num_free_blocks == 5
+
+
+@pytest.mark.parametrize("proposer", ["self", "noisy"])
+def test_a_draft_model_computes_no_position_twice_where_its_drafts_were_kept(models, proposer):
+    """The draft model's K/V of the drafts the target accepts stay valid (within the block of the request's last
+    token: here all its tokens fit one block): after a verify step it computes only the tokens past them, so where
+    every draft is accepted (the target as its draft) no position is computed twice, and where some are rejected
+    only theirs are (before, every accepted draft was computed again)."""
+    path, prompts, _, drafts = models
+    prompt = prompts[3]  # 3 tokens: with 12 more, all in the first block of 16
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = _tokens(LLM(path, dtype="float64", block_size=16).generate([prompt], greedy, use_tqdm=False))
+    llm = LLM(path, dtype="float64", block_size=16, speculative_config=drafts[proposer])
+    draft = llm.engine.runner.speculator.proposer
+    computed: list[int] = []
+    forward = draft._forward
+
+    def counting(batch, slots, starts, counts):
+        computed.extend(p for start, count in zip(starts, counts) for p in range(start, start + count))
+        return forward(batch, slots, starts, counts)
+
+    draft._forward = counting
+    assert _tokens(llm.generate([prompt], greedy, use_tqdm=False)) == want
+    stats = llm.engine.stats().spec_decode
+    again = len(computed) - len(set(computed))  # positions computed more than once
+    if proposer == "self":
+        assert again == 0 and stats.num_accepted_tokens == stats.num_draft_tokens > 0
+    else:
+        assert 0 < again <= stats.num_draft_tokens - stats.num_accepted_tokens

@@ -15,7 +15,9 @@ occurrence of the request's last n tokens (n from prompt_lookup_max down to prom
 output and proposes what followed it; DraftModelProposer runs a small model of the same vocabulary greedily, with its
 own K/V tensors over the target's blocks (the scheduler allocates k positions past the target's for its lookahead),
 catching up from where it last computed (a request whose drafts stopped being asked for is caught up in one chunk
-when they are asked for again).
+when they are asked for again). The K/V it wrote for its own drafts stay valid where the target kept those drafts
+and their block stayed the request's (the one of its last token), so after a verify step that accepted some of
+those, it computes only the tokens after them.
 """
 
 from __future__ import annotations
@@ -97,10 +99,13 @@ class DraftModelProposer:
                            torch.empty(shape, dtype=draft.torch_dtype, device=device))
                           for _ in range(mc.num_hidden_layers)]
         self.computed: dict[int, int] = {}  # slot -> positions whose draft K/V are written and valid
+        # slot -> the drafts whose K/V were written past computed[slot] (valid as far as the request kept them)
+        self.ahead: dict[int, list[int]] = {}
 
     def reset(self, slot: int) -> None:
         # From position 0: blocks taken from the prefix cache hold the target's K/V, not necessarily the draft's.
         self.computed[slot] = 0
+        self.ahead.pop(slot, None)
 
     @torch.inference_mode()
     def propose(self, batch: InputBatch, slots: list[int], lengths: list[int], ks: list[int]) -> list[list[int]]:
@@ -108,6 +113,8 @@ class DraftModelProposer:
         token a step for the rest; the drafts are written ahead in the batch rows, where the next step's input
         reads them (the first draft's input is the request's last token, already there)."""
         drafts: list[list[int]] = [[] for _ in slots]
+        for slot, length in zip(slots, lengths):
+            self._keep_ahead(batch, slot, length)
         order = sorted(range(len(slots)), key=lambda i: lengths[i] - self.computed[slots[i]] > 1)  # decodes first
         starts = [self.computed[slots[i]] for i in order]
         counts = [lengths[i] - start for i, start in zip(order, starts)]
@@ -122,7 +129,22 @@ class DraftModelProposer:
                                    [1] * len(live))
             for i, token in zip(live, tokens):
                 drafts[i].append(token)
+        for slot, tokens in zip(slots, drafts):
+            self.ahead[slot] = tokens[:-1]  # (the last draft was never an input)
         return drafts
+
+    def _keep_ahead(self, batch: InputBatch, slot: int, length: int) -> None:
+        """Count as computed the K/V of the slot's last drafts that its tokens (the first `length`) now hold, up to
+        the last token, whose logits the next draft needs, and within the block that held its last token when it
+        proposed them: the blocks past that one were given back after that step (Scheduler._lookahead's slots) and
+        may hold another request's K/V since."""
+        ahead = self.ahead.pop(slot, None)
+        start = self.computed[slot]
+        if not ahead:
+            return
+        block_end = -(-start // self.config.block_size) * self.config.block_size
+        held = batch.token_ids[slot, start: min(start + len(ahead), length - 1, block_end)].tolist()
+        self.computed[slot] = start + next((i for i, (a, b) in enumerate(zip(held, ahead)) if a != b), len(held))
 
     def _forward(self, batch: InputBatch, slots: list[int], starts: list[int], counts: list[int]) -> list[int]:
         """The draft model over counts[i] tokens of slots[i] from starts[i] (requests of one token first): the
