@@ -5,14 +5,15 @@ the start would not do). One engine is alive at a time, so that a 7B target fits
 
 speculative-draft prices a draft model. Random weights make real acceptance meaningless, so the bench controls which
 tokens the draft proposes and nothing else: OracleProposer wraps the engine's real draft proposer (calling it, so
-every draft step is paid in full) and makes each proposed token the target's known greedy continuation with
-probability alpha, independently per position from a seeded generator, else a token the continuation does not hold
-there. The continuation is the greedy output of the first speculation-off run of the same batch size. It stays
-the target's continuation only where a verify row computes what a decode step computes: in the default arithmetic
-a 1-row and a (k + 1)-row step round bfloat16 differently, and a random model's logits are so flat that near-ties
-flip within tens of tokens (1.5B target, 0.5B draft: acceptance 0.81 at alpha 1 at batch 1, 0.04 at batch 4, every
-steered request leaving its continuation), so the engines (speculation off too) run in deterministic mode by
-default, whose verify rows are bit for bit a decode step's (decision 023: decode 1.00-1.07x).
+every draft step is paid in full) and makes each token its draft model picks the target's known greedy continuation
+with probability alpha, independently per position from a seeded generator, else a token the continuation does not
+hold there; the draft model goes on from the steered tokens as from its own. The continuation is the greedy output
+of the first speculation-off run of the same batch size. It stays the target's continuation only where a verify row
+computes what a decode step computes: in the default arithmetic a 1-row and a (k + 1)-row step round bfloat16
+differently, and a random model's logits are so flat that near-ties flip within tens of tokens (1.5B target, 0.5B
+draft: acceptance 0.81 at alpha 1 at batch 1, 0.04 at batch 4, every steered request leaving its continuation), so
+the engines (speculation off too) run in deterministic mode by default, whose verify rows are bit for bit a decode
+step's (decision 023: decode 1.00-1.07x).
 
 Beside each measured speed-up stands the cost model's prediction, from costs measured in the same run: the median
 decode step of speculation off (t1), and of the setting's alpha = 0 run (every step there verifies k drafts and asks
@@ -67,13 +68,16 @@ IDLE_STEPS = 100  # steps with nothing running before a run is declared stuck
 
 
 class OracleProposer:
-    """The engine's own proposer, its proposals then steered: with `alpha` set, each draft position of a request
-    becomes its known continuation's token with probability alpha (one seeded draw per position), else a token the
-    continuation does not hold there (the draft's own, or the id after it where the draft was right by itself, so
-    that acceptance follows alpha exactly; those are counted). A request whose tokens left its continuation (in the
-    default arithmetic a verify row's bfloat16 rounding can decide a near-tie otherwise than a decode step) has no
-    known continuation from then on: its drafts pass as proposed, and it is counted. With alpha None every proposal
-    passes as it is. The wrapped proposer's time is summed in `seconds` either way."""
+    """The engine's own proposer, its draft model's tokens steered: with `alpha` set, each token the draft model
+    picks (one a draft step and request) becomes the request's known continuation at that position with probability
+    alpha (one seeded draw per position), else a token the continuation does not hold there (the draft's own, or the
+    id after it where the draft was right by itself, so that acceptance follows alpha exactly; those are counted).
+    The draft model goes on from the steered token, as it goes on from its own: its next step's input and the K/V it
+    keeps for the drafts the target accepts are those of the tokens it proposed, so a run pays what a draft with
+    that acceptance would. A request whose tokens left its continuation (in the default arithmetic a verify row's
+    bfloat16 rounding can decide a near-tie otherwise than a decode step) has no known continuation from then on: its
+    drafts pass as the draft model picks them, and it is counted. With alpha None every proposal passes as it is (the
+    n-gram proposer's runs). The wrapped proposer's time is summed in `seconds` either way."""
 
     def __init__(self, inner, batch, vocab_size: int, seed: int) -> None:
         self.inner, self.batch, self.vocab_size, self.seed = inner, batch, vocab_size, seed
@@ -85,6 +89,9 @@ class OracleProposer:
         self.steered = 0  # draft positions with a known continuation
         self.right_by_itself = 0  # of those, the ones the wrapped proposer had right
         self.diverged: set[str] = set()
+        self.on_track: dict[int, bool] = {}  # slot -> its tokens follow its continuation (set by each propose)
+        if hasattr(inner, "_forward"):  # a draft model: steer each of its steps' tokens
+            self._draft_forward, inner._forward = inner._forward, self._steered_forward
 
     def start(self, alpha: float | None, continuations: dict[str, list[int]], rep: int = 0) -> None:
         """A run's setting: the draws seeded by the rep, so that every setting's rep r steers alike and the reps
@@ -103,32 +110,36 @@ class OracleProposer:
         self.expected[slot, : len(row)] = torch.tensor(row, dtype=torch.int64)
 
     def propose(self, batch, slots: list[int], lengths: list[int], ks: list[int]) -> list[list[int]]:
+        if self.alpha is not None and slots:
+            rows, length = torch.tensor(slots), torch.tensor(lengths)
+            span = int(length.max())
+            # Every request's tokens so far against its prompt + continuation (positions past its length ignored).
+            seen = batch.token_ids[rows, :span] == self.expected[rows, :span]
+            on_track = (seen | (torch.arange(span) >= length[:, None])).all(1)
+            self.on_track = dict(zip(slots, on_track.tolist()))
+            if not bool(on_track.all()):
+                ids = {s: rid for rid, s in batch.slots.items()}
+                self.diverged.update(ids[slots[i]] for i in (~on_track).nonzero().flatten().tolist())
         start = time.perf_counter()
         drafts = self.inner.propose(batch, slots, lengths, ks)
         self.seconds += time.perf_counter() - start
-        sizes = [len(d) for d in drafts]
-        width = max(sizes, default=0)
-        if self.alpha is None or not width:
-            return drafts
-        rows, length = torch.tensor(slots), torch.tensor(lengths)
-        proposed = torch.tensor([d + [-1] * (width - len(d)) for d in drafts], dtype=torch.int64)
-        span = int(length.max())
-        # Every request's tokens so far against its prompt + continuation (positions past its length ignored).
-        seen = batch.token_ids[rows, :span] == self.expected[rows, :span]
-        on_track = (seen | (torch.arange(span) >= length[:, None])).all(1)
-        at = (length[:, None] + torch.arange(width)).clamp(max=self.expected.shape[1] - 1)
-        truth = self.expected[rows[:, None], at]
-        known = (torch.arange(width) < torch.tensor(sizes)[:, None]) & on_track[:, None] & (truth >= 0)
+        return drafts
+
+    def _steered_forward(self, batch, slots: list[int], starts: list[int], counts: list[int]) -> list[int]:
+        """The draft model's step (its tokens at positions starts + counts), each token steered (see the class)."""
+        picked = self._draft_forward(batch, slots, starts, counts)
+        if self.alpha is None:
+            return picked
+        rows, proposed = torch.tensor(slots), torch.tensor(picked, dtype=torch.int64)
+        at = (torch.tensor(starts) + torch.tensor(counts)).clamp(max=self.expected.shape[1] - 1)
+        truth = self.expected[rows, at]
+        known = torch.tensor([self.on_track[slot] for slot in slots]) & (truth >= 0)
         right = known & (proposed == truth)
         wrong = torch.where(right, (proposed + 1) % self.vocab_size, proposed)
         take = torch.rand(proposed.shape, generator=self.generator) < self.alpha
-        steered = torch.where(known & take, truth, wrong)
         self.steered += int(known.sum())
         self.right_by_itself += int(right.sum())
-        if not bool(on_track.all()):
-            ids = {s: rid for rid, s in batch.slots.items()}
-            self.diverged.update(ids[slots[i]] for i in (~on_track).nonzero().flatten().tolist())
-        return [row[:n] for row, n in zip(steered.tolist(), sizes)]
+        return torch.where(known & take, truth, wrong).tolist()
 
 
 @dataclass(slots=True)
