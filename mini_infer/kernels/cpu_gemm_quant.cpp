@@ -562,10 +562,11 @@ void share_rows(const Problem& p, int begin, int end) {
 #endif
 }
 
-// AVX2: the threads take runs of panels in turn (panel_runs.h; at least 4 panels, the one-row tile's width). Against an even share each, on a 2-core Zen 3
-// VM whose host takes a core now and then (11 shuffled rounds over the 1.5B shape's projections, the same bits): 64
-// rows 0.90-0.93x as long, 256 rows 0.84x, 8 rows 0.73-1.01x (the more the machine was taken, the lower), 1 row
-// 0.97-1.02x. The AVX-512 builds keep an even share each (their one-row tiles are 8 panels wide; not measured there).
+// AVX2: the threads take runs of panels in turn (panel_runs.h; at least 4 panels, the one-row tile's width). Against
+// an even share each, on a 2-core Zen 3 VM whose host takes a core now and then (11 shuffled rounds over the 1.5B
+// shape's projections, the same bits): 64 rows 0.90-0.93x as long, 256 rows 0.84x, 8 rows 0.73-1.01x (the more the
+// machine was taken, the lower), 1 row 0.97-1.02x. The AVX-512 builds keep an even share each (their one-row tiles are
+// 8 panels wide; not measured there).
 template <int BITS, int PF>
 void run(const Problem& p, int threads) {
     const int panels = (p.N + PANEL - 1) / PANEL;
